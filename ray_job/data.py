@@ -1,0 +1,290 @@
+"""Datasets and the two input pipelines.
+
+Fast path (default): a split is held once as a uint8 array (N, H, W, C). `ArrayDataset.__getitems__`
+fetches a whole batch with one indexing operation, the DataLoader pins it, Ray copies it to the device
+without blocking, and `DeviceAugment` does random-crop / flip / normalise there. CIFAR-10 is 150 MB
+this way, never a float copy.
+
+Classic path (`--loader torchvision`): PIL transforms per sample in DataLoader workers, as the seed did.
+Both keep `prepare_data_loader`'s `DistributedSampler` sharding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .config import TrainConfig, UsageError
+
+log = logging.getLogger(__name__)
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
+                   "dog", "frog", "horse", "ship", "truck")
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+CIFAR10_FOLDER = "cifar-10-batches-py"
+CIFAR10_TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
+CIFAR10_TEST_FILES = ["test_batch"]
+PAD = 4  # random-crop padding, as in the standard CIFAR recipe
+
+
+class DataError(UsageError):
+    """Data that is missing or unreadable; the message says how to fix it."""
+
+
+@dataclass
+class Split:
+    """One split held in memory: uint8 images (N, H, W, C) and int64 labels (N,)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: tuple
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+# --- CIFAR-10 in torchvision's on-disk format -------------------------------------------------
+
+def cifar10_present(data_dir: str) -> bool:
+    folder = os.path.join(data_dir, CIFAR10_FOLDER)
+    return all(os.path.isfile(os.path.join(folder, f))
+               for f in CIFAR10_TRAIN_FILES + CIFAR10_TEST_FILES)
+
+
+def stage_hint(data_dir: str) -> str:
+    return (f"HINT: on a machine with internet run `python -m ray_job prepare-data --data-dir "
+            f"{data_dir}` and copy the folder to where every node can read it, or use --data synthetic")
+
+
+def ensure_cifar10(data_dir: str, download: bool) -> None:
+    """Makes sure cifar-10-batches-py is under data_dir, downloading it at most once per node."""
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise DataError(f"--data-dir {data_dir} is a file, not a folder. {stage_hint(data_dir)}")
+    if cifar10_present(data_dir):
+        return
+    if not download:
+        raise DataError(f"no CIFAR-10 ({CIFAR10_FOLDER}/) under --data-dir {data_dir} and "
+                        f"--no-download is set. {stage_hint(data_dir)}")
+    from filelock import FileLock
+    from torchvision.datasets.utils import download_and_extract_archive
+
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create --data-dir {data_dir}: {e.strerror}") from None
+    # One download per node: the first worker holds the lock, the others find the files after it.
+    with FileLock(os.path.join(data_dir, ".cifar10.lock")):
+        if cifar10_present(data_dir):
+            return
+        try:
+            download_and_extract_archive(CIFAR10_URL, download_root=data_dir, md5=CIFAR10_MD5)
+        except Exception as e:  # URLError, timeouts, checksum: all mean "stage it by hand"
+            raise DataError(f"could not download CIFAR-10 into {data_dir} ({type(e).__name__}: "
+                            f"{str(e)[:120]}). {stage_hint(data_dir)}") from None
+
+
+def load_cifar10(data_dir: str, train: bool) -> Split:
+    folder = os.path.join(data_dir, CIFAR10_FOLDER)
+    images, labels = [], []
+    for name in CIFAR10_TRAIN_FILES if train else CIFAR10_TEST_FILES:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "rb") as f:
+                batch = pickle.load(f, encoding="latin1")
+            images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            labels.extend(batch["labels"])
+        except (OSError, pickle.UnpicklingError, KeyError, ValueError, EOFError) as e:
+            raise DataError(f"cannot read CIFAR-10 file {path} ({type(e).__name__}); delete "
+                            f"{folder} to download it again. {stage_hint(data_dir)}") from None
+    array = np.ascontiguousarray(np.concatenate(images).transpose(0, 2, 3, 1))
+    return Split(torch.from_numpy(array), torch.tensor(labels, dtype=torch.int64), CIFAR10_CLASSES)
+
+
+def write_cifar10(data_dir: str, train: Split, test: Split, per_file: int = 10000) -> None:
+    """Writes splits in the exact cifar-10-batches-py format (used by tests and prepare-data)."""
+    folder = os.path.join(data_dir, CIFAR10_FOLDER)
+    os.makedirs(folder, exist_ok=True)
+    chunks = np.array_split(np.arange(len(train)), len(CIFAR10_TRAIN_FILES))
+    for name, split, idx in ([(n, train, c) for n, c in zip(CIFAR10_TRAIN_FILES, chunks)]
+                             + [("test_batch", test, np.arange(len(test)))]):
+        data = split.images[idx].numpy().transpose(0, 3, 1, 2).reshape(len(idx), -1)
+        batch = {"batch_label": name, "labels": split.labels[idx].tolist(), "data": data,
+                 "filenames": [f"{i}.png" for i in idx]}
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump(batch, f)
+    with open(os.path.join(folder, "batches.meta"), "wb") as f:
+        pickle.dump({"label_names": list(CIFAR10_CLASSES), "num_vis": 3072}, f)
+
+
+# --- ImageFolder -----------------------------------------------------------------------------
+
+def load_imagefolder(data_dir: str, train: bool) -> Split:
+    """Decodes DIR/{train,test}/<class>/* once into a uint8 array, cached beside the images."""
+    from filelock import FileLock
+    from torchvision.datasets import ImageFolder
+
+    root = os.path.join(data_dir, "train" if train else "test")
+    if not os.path.isdir(root):
+        raise DataError(f"--data imagefolder needs {root}/<class>/<images>; it is missing")
+    try:
+        folder = ImageFolder(root)
+    except (FileNotFoundError, OSError) as e:
+        raise DataError(f"cannot read image folder {root}: {e}") from None
+    key = hashlib.sha1(repr([(p, os.path.getsize(p)) for p, _ in folder.samples]).encode())
+    cache = os.path.join(data_dir, f".uint8_{'train' if train else 'test'}_{key.hexdigest()[:12]}.npz")
+    with FileLock(cache + ".lock"):
+        if not os.path.exists(cache):
+            with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+                arrays = list(pool.map(lambda s: np.asarray(folder.loader(s[0]).convert("RGB")),
+                                       folder.samples, chunksize=256))
+            if len({a.shape for a in arrays}) != 1:
+                raise DataError(f"images under {root} differ in size; the fast loader needs one size "
+                                f"(resize them, or use --loader torchvision)")
+            np.savez(cache + ".tmp.npz", images=np.stack(arrays),
+                     labels=np.array(folder.targets, dtype=np.int64))
+            os.replace(cache + ".tmp.npz", cache)
+        with np.load(cache) as z:
+            images, labels = z["images"], z["labels"]
+    return Split(torch.from_numpy(images), torch.from_numpy(labels), tuple(folder.classes))
+
+
+# --- synthetic -------------------------------------------------------------------------------
+
+def make_synthetic(n: int, seed: int, train: bool, num_classes: int = 10) -> Split:
+    """A learnable CIFAR-shaped set: each class has its own colour and stripe pattern, plus noise.
+
+    Colour survives crops and flips, so a model that learns anything beats 10%; the noise keeps it
+    from being trivial. Train and test are different draws of the same classes.
+    """
+    g = torch.Generator().manual_seed(seed)
+    palette = torch.rand(num_classes, 3, generator=g) * 160 + 48          # class colours
+    freq = torch.arange(num_classes, dtype=torch.float32) % 5 + 1          # class stripes
+    g.manual_seed(seed * 2 + (0 if train else 1) + 1)
+    labels = torch.randint(0, num_classes, (n,), generator=g)
+    xs = torch.arange(32, dtype=torch.float32)
+    stripes = torch.sin(xs[None, :] * freq[:, None] * np.pi / 16)          # (C, 32)
+    base = palette[labels][:, None, None, :] + 24 * stripes[labels][:, None, :, None]
+    images = base + torch.randn(n, 32, 32, 3, generator=g) * 40
+    return Split(images.clamp(0, 255).to(torch.uint8), labels, tuple(f"class{i}" for i in range(num_classes)))
+
+
+def load_splits(cfg: TrainConfig) -> tuple[Split, Split]:
+    if cfg.data == "synthetic":
+        return (make_synthetic(cfg.synthetic_train_size, cfg.seed, True),
+                make_synthetic(cfg.synthetic_test_size, cfg.seed, False))
+    if cfg.data == "cifar10":
+        ensure_cifar10(cfg.data_dir, cfg.download)
+        return load_cifar10(cfg.data_dir, True), load_cifar10(cfg.data_dir, False)
+    return load_imagefolder(cfg.data_dir, True), load_imagefolder(cfg.data_dir, False)
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """Driver-side check that fails in seconds instead of inside every worker."""
+    if cfg.data == "synthetic":
+        return
+    if not os.path.exists(cfg.data_dir) and cfg.data == "imagefolder":
+        raise DataError(f"--data-dir {cfg.data_dir} does not exist")
+    if os.path.exists(cfg.data_dir) and not os.access(cfg.data_dir, os.R_OK | os.X_OK):
+        raise DataError(f"--data-dir {cfg.data_dir} is not readable by this user")
+    if cfg.data == "cifar10":
+        ensure_cifar10(cfg.data_dir, cfg.download)
+        load_cifar10(cfg.data_dir, False)  # the small file: proves the format is readable
+    else:
+        for split in ("train", "test"):
+            if not os.path.isdir(os.path.join(cfg.data_dir, split)):
+                raise DataError(f"--data imagefolder needs {cfg.data_dir}/{split}/<class>/<images>")
+
+
+# --- datasets for the DataLoader -------------------------------------------------------------
+
+def _identity(batch):
+    return batch
+
+
+class ArrayDataset(Dataset):
+    """uint8 images fetched a batch at a time; augmentation happens later, on the device."""
+
+    collate_fn = staticmethod(_identity)
+
+    def __init__(self, split: Split):
+        self.images, self.labels = split.images, split.labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.images[i], self.labels[i]
+
+    def __getitems__(self, indices: list[int]):
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        return self.images.index_select(0, idx), self.labels.index_select(0, idx)
+
+
+class TorchvisionDataset(Dataset):
+    """The classic pipeline: one PIL image and one transform chain per sample."""
+
+    collate_fn = None  # the DataLoader's default collation
+
+    def __init__(self, split: Split, train: bool):
+        from torchvision import transforms as T
+
+        steps = [T.RandomCrop(32, padding=PAD), T.RandomHorizontalFlip()] if train else []
+        self.transform = T.Compose(steps + [T.ToTensor(), T.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
+        self.images, self.labels = split.images.numpy(), split.labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.images[i])), self.labels[i]
+
+
+class DeviceAugment:
+    """Random crop (zero padding 4) + horizontal flip + normalisation of a uint8 NHWC batch.
+
+    The same distribution as torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip():
+    offsets uniform in [0, 2*PAD], flip with probability 1/2, padding is black before normalising.
+    """
+
+    def __init__(self, device: torch.device, channels_last: bool):
+        self.mean = torch.tensor(CIFAR10_MEAN, device=device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(CIFAR10_STD, device=device).view(1, 3, 1, 1) * 255
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __call__(self, images: torch.Tensor, train: bool) -> torch.Tensor:
+        x = images.permute(0, 3, 1, 2)  # NHWC uint8 -> NCHW view, no copy
+        if train:
+            x = self.crop_flip(x)
+        x = (x.float() - self.mean) / self.std
+        return x.contiguous(memory_format=self.memory_format)
+
+    @staticmethod
+    def crop_flip(x: torch.Tensor) -> torch.Tensor:
+        n, _, h, w = x.shape
+        padded = torch.nn.functional.pad(x, (PAD, PAD, PAD, PAD))
+        dy = torch.randint(0, 2 * PAD + 1, (n, 1), device=x.device)
+        dx = torch.randint(0, 2 * PAD + 1, (n, 1), device=x.device)
+        flip = torch.rand(n, 1, device=x.device) < 0.5
+        cols = torch.arange(w, device=x.device).expand(n, w)
+        cols = torch.where(flip, w - 1 - cols, cols) + dx          # flip = read columns backwards
+        rows = torch.arange(h, device=x.device).expand(n, h) + dy
+        batch = torch.arange(n, device=x.device)[:, None, None]
+        out = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]  # (N, H, W, C)
+        return out.permute(0, 3, 1, 2)
+
+
+def build_dataset(split: Split, train: bool, fast: bool) -> Dataset:
+    return ArrayDataset(split) if fast else TorchvisionDataset(split, train)

@@ -1,0 +1,247 @@
+"""The driver: checks inputs, connects to Ray, builds the TorchTrainer, runs it, summarises.
+
+Every check that can fail fast runs before any worker starts, so bad input costs seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+from .checkpoint import load_checkpoint
+from .config import PREEMPT_FILE, TrainConfig, UsageError
+from .data import check_data
+from .runlog import (CONFIG_JSON, EVENTS_JSONL, METRICS_JSONL, SUMMARY_JSON, read_jsonl,
+                     write_json)
+
+log = logging.getLogger("ray_job.driver")
+EXIT_PREEMPTED = 3
+
+
+# --- checks before Ray ------------------------------------------------------------------------
+
+def with_default_name(cfg: TrainConfig) -> TrainConfig:
+    if cfg.name:
+        if os.sep in cfg.name or cfg.name in (".", ".."):
+            raise UsageError(f"--name {cfg.name!r} must be a plain folder name, not a path")
+        return cfg
+    return dataclasses.replace(cfg, name=time.strftime("ray_job_%Y%m%d_%H%M%S"))
+
+
+def check_storage(cfg: TrainConfig) -> None:
+    root = os.path.abspath(os.path.expanduser(cfg.storage_path))
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".write_test_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"--storage-path {cfg.storage_path} is not writable ({e.strerror}); "
+                         f"choose a folder you can write to") from None
+
+
+def check_resume_from(cfg: TrainConfig) -> None:
+    if cfg.resume_from:
+        state = load_checkpoint(cfg.resume_from)  # raises a one-line CheckpointError
+        saved = state.get("config", {})
+        if saved.get("model") != cfg.model or saved.get("stem") != cfg.stem:
+            raise UsageError(f"--resume-from holds a {saved.get('model')}/{saved.get('stem')} stem "
+                             f"model; pass --model {saved.get('model')} --stem {saved.get('stem')}")
+
+
+def check_sizes(cfg: TrainConfig, world: int) -> None:
+    per_worker = cfg.per_worker_batch(world)
+    if cfg.data == "synthetic" and cfg.synthetic_train_size < per_worker * world:
+        raise UsageError(f"--synthetic-train-size {cfg.synthetic_train_size} is smaller than one "
+                         f"global batch ({per_worker * world}); raise it or lower --batch-size")
+
+
+def finished_summary(cfg: TrainConfig) -> Optional[dict]:
+    path = os.path.join(cfg.run_dir(), SUMMARY_JSON)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        summary = json.load(f)
+    done = summary.get("finished") and summary.get("epochs_completed", 0) >= cfg.epochs
+    return summary if done else None
+
+
+# --- Ray ---------------------------------------------------------------------------------------
+
+def connect(cfg: TrainConfig) -> None:
+    import ray
+
+    if ray.is_initialized():  # e.g. the test suite's shared cluster
+        return
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        log.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, log_to_driver=True)
+    else:
+        log.info("no --address / RAY_ADDRESS: starting a local Ray cluster in this process")
+        ray.init(address="local")
+
+
+def workers_that_fit(cpus: float, gpus: float) -> int:
+    """How many workers of this size the alive nodes can ever hold (not just right now)."""
+    import ray
+
+    total = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        fit = int(res.get("CPU", 0) // cpus) if cpus else 10**6
+        if gpus:
+            fit = min(fit, int(res.get("GPU", 0) // gpus))
+        total += fit
+    return total
+
+
+def resolve_workers(cfg: TrainConfig) -> TrainConfig:
+    """Fills in --use-gpu and --num-workers from the cluster and checks that they fit."""
+    import ray
+
+    total_gpus = ray.cluster_resources().get("GPU", 0)
+    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else total_gpus > 0
+    if use_gpu and total_gpus == 0:
+        raise UsageError("--use-gpu was given but the Ray cluster has no GPUs; drop it or use --no-gpu")
+    num_workers = cfg.num_workers or (int(total_gpus // cfg.gpus_per_worker) if use_gpu else 1)
+    gpus = cfg.gpus_per_worker if use_gpu else 0
+    if cfg.gpus_per_worker < 1 and use_gpu and cfg.backend != "gloo":
+        raise UsageError("workers sharing a GPU (--gpus-per-worker < 1) need --backend gloo "
+                         "(NCCL refuses two ranks on one GPU)")
+    fits = workers_that_fit(cfg.cpus_per_worker, gpus)
+    if num_workers > fits:
+        raise UsageError(f"--num-workers {num_workers} cannot fit: the cluster holds at most {fits} "
+                         f"worker(s) of {cfg.cpus_per_worker:g} CPU{f' + {gpus:g} GPU' if gpus else ''}"
+                         f" each; lower --num-workers or --cpus-per-worker, or add nodes")
+    return dataclasses.replace(cfg, use_gpu=use_gpu, num_workers=num_workers)
+
+
+def build_trainer(cfg: TrainConfig):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from .loop import train_loop_per_worker
+
+    resources = {"CPU": cfg.cpus_per_worker}
+    if cfg.use_gpu:
+        resources["GPU"] = cfg.gpus_per_worker
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=cfg.to_dict(),
+        torch_config=TorchConfig(backend=None if cfg.backend == "auto" else cfg.backend),
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=bool(cfg.use_gpu),
+                                     resources_per_worker=resources),
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=os.path.abspath(os.path.expanduser(cfg.storage_path)),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints,
+                                               checkpoint_score_attribute="test_acc",
+                                               checkpoint_score_order="max"),
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+        ),
+    )
+
+
+def request_stop_on_usr1(cfg: TrainConfig) -> None:
+    """SIGUSR1 (SLURM's pre-timeout signal) asks the workers to checkpoint and stop."""
+    def handler(signum, frame):
+        with open(os.path.join(cfg.run_dir(), PREEMPT_FILE), "w") as f:
+            f.write(str(time.time()))
+        log.info("SIGUSR1: asked the workers to checkpoint and stop")
+    signal.signal(signal.SIGUSR1, handler)
+
+
+# --- the whole run -----------------------------------------------------------------------------
+
+def preflight(cfg: TrainConfig) -> TrainConfig:
+    cfg = with_default_name(cfg)
+    check_storage(cfg)
+    check_data(cfg)
+    check_resume_from(cfg)
+    return cfg
+
+
+def run_training(cfg: TrainConfig) -> int:
+    started = time.time()
+    cfg = preflight(cfg)
+    done = finished_summary(cfg)
+    if done is not None:
+        print(f"run {cfg.name!r} already finished {done['epochs_completed']} epochs "
+              f"(best test accuracy {done.get('best_test_acc', float('nan')):.4f}); results in "
+              f"{cfg.run_dir()}. Use a new --name, or more --epochs to continue it.")
+        return 0
+    connect(cfg)
+    cfg = resolve_workers(cfg)
+    check_sizes(cfg, cfg.num_workers)
+    os.makedirs(cfg.run_dir(), exist_ok=True)
+    stale = os.path.join(cfg.run_dir(), PREEMPT_FILE)
+    if os.path.exists(stale):
+        os.remove(stale)  # a requeued job must not stop at once
+    write_json(os.path.join(cfg.run_dir(), CONFIG_JSON), cfg.to_dict())
+    print("config:\n" + cfg.to_json(), flush=True)
+    request_stop_on_usr1(cfg)
+    return fit_and_summarise(cfg, started)
+
+
+def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
+    from ray.train.v2.api.exceptions import TrainingFailedError
+
+    try:
+        result = build_trainer(cfg).fit()
+    except TrainingFailedError as e:
+        write_summary(cfg, started, finished=False, error=str(e).splitlines()[0])
+        print(f"error: training failed after {cfg.max_failures} restart(s): "
+              f"{str(e).splitlines()[0]} (worker logs above; --max-failures allows more restarts)",
+              file=sys.stderr)
+        return 1
+    outcome = result.return_value or {}
+    best = result.get_best_checkpoint("test_acc", "max") if result.best_checkpoints else None
+    preempted = bool(outcome.get("preempted"))
+    summary = write_summary(cfg, started, finished=not preempted,
+                            best_checkpoint=best.path if best else None,
+                            latest_checkpoint=result.checkpoint.path if result.checkpoint else None)
+    print(summary_table(cfg))
+    if preempted:
+        print(f"stopped on request at epoch {outcome['epoch'] + 1} step {outcome['step']}; checkpoint "
+              f"saved. Run the same command again to continue.")
+        return EXIT_PREEMPTED
+    print(f"results: {cfg.run_dir()}\nbest checkpoint: {summary['best_checkpoint']} (test accuracy "
+          f"{summary['best_test_acc']:.4f})")
+    return 0
+
+
+def write_summary(cfg: TrainConfig, started: float, finished: bool, **extra) -> dict:
+    rows = read_jsonl(os.path.join(cfg.run_dir(), METRICS_JSONL))
+    events = read_jsonl(os.path.join(cfg.run_dir(), EVENTS_JSONL))
+    first = [e["time"] for e in events if e["event"] == "first_step" and e["time"] >= started]
+    summary = dict(name=cfg.name, run_dir=cfg.run_dir(), finished=finished,
+                   epochs_completed=rows[-1]["epoch"] if rows else 0, epochs=cfg.epochs,
+                   best_test_acc=max((r["test_acc"] for r in rows), default=float("nan")),
+                   final=rows[-1] if rows else None, wall_s=time.time() - started,
+                   time_to_first_step_s=(first[0] - started) if first else None,
+                   num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, **extra)
+    write_json(os.path.join(cfg.run_dir(), SUMMARY_JSON), summary)
+    return summary
+
+
+def summary_table(cfg: TrainConfig) -> str:
+    rows = read_jsonl(os.path.join(cfg.run_dir(), METRICS_JSONL))
+    head = f"{'epoch':>5} {'train loss':>10} {'train acc':>9} {'test loss':>9} {'test acc':>8} " \
+           f"{'seconds':>8} {'img/s':>8} {'data s':>7} {'compute s':>9} {'lr':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['epoch']:>5} {r['train_loss']:>10.4f} {r['train_acc']:>9.3f} "
+                     f"{r['test_loss']:>9.4f} {r['test_acc']:>8.3f} {r['epoch_s']:>8.1f} "
+                     f"{r['images_per_s']:>8.0f} {r['data_s']:>7.1f} {r['compute_s']:>9.1f} "
+                     f"{r['lr']:>8.4f}")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""Files in the run folder that can be read without Ray: metrics (JSON lines + CSV), events,
+topology, and TensorBoard scalars. Written by rank 0 only."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from typing import Any, Optional
+
+METRICS_JSONL = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"
+EVENTS_JSONL = "events.jsonl"
+TOPOLOGY_JSON = "topology.json"
+SUMMARY_JSON = "summary.json"
+CONFIG_JSON = "config.json"
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+    os.replace(tmp, path)
+
+
+class RunLog:
+    """Rank 0's writer for one run folder."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self._tb = None
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.run_dir, name)
+
+    def history(self) -> list[dict]:
+        return read_jsonl(self.path(METRICS_JSONL))
+
+    def keep_epochs_up_to(self, last_epoch: int) -> None:
+        """Drops rows of epochs that will be recomputed (after a restore from an older checkpoint)."""
+        rows = [r for r in self.history() if r["epoch"] <= last_epoch]
+        with open(self.path(METRICS_JSONL) + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(self.path(METRICS_JSONL) + ".tmp", self.path(METRICS_JSONL))
+        self._write_csv(rows)
+
+    def event(self, name: str, **fields: Any) -> None:
+        with open(self.path(EVENTS_JSONL), "a") as f:
+            f.write(json.dumps({"event": name, "time": time.time(), **fields}) + "\n")
+
+    def epoch(self, metrics: dict) -> None:
+        with open(self.path(METRICS_JSONL), "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self._write_csv(self.history())
+        tb = self._writer()
+        if tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and key != "epoch":
+                    tb.add_scalar(key, value, metrics["epoch"])
+            tb.flush()
+
+    def _write_csv(self, rows: list[dict]) -> None:
+        keys = sorted({k for r in rows for k in r})
+        with open(self.path(METRICS_CSV), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def _writer(self) -> Optional[Any]:
+        if self._tb is None:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:  # TensorBoard files are a convenience, not a requirement
+                return None
+            self._tb = SummaryWriter(self.path("tensorboard"))
+        return self._tb
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
