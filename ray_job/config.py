@@ -105,6 +105,9 @@ class TrainConfig:
     ddp_bucket_mb: int = _f(25, "DDP gradient bucket size in MiB", "speed")
     grad_compression: str = _f("none", "DDP communication hook: bf16 halves all-reduce bytes "
                                "(multi-node)", "speed", GRAD_COMPRESSIONS)
+    sync_timing: bool = _f(False, "synchronise the GPU around each step phase so the data / "
+                           "forward-backward / optimizer split is exact (a little slower; `scale` "
+                           "turns it on)", "speed", bool_flag=True)
     # --- results, checkpoints, fault tolerance ---
     storage_path: str = _f("./results", "where runs are written (shared file system on multi-node "
                            "clusters)", "results")

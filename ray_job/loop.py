@@ -229,6 +229,7 @@ def fit_epochs(cfg, model, optimizer, scheduler, train_loader, test_loader, devi
         on_step = progress_logger(epoch, cfg, steps_per_epoch) if run is not None else None
         stats = train_epoch(model, train_loader, optimizer, scheduler, loss_fn, preprocess, device,
                             bf16=bf16, max_steps=steps_per_epoch, skip_steps=skip,
+                            sync_timing=cfg.sync_timing,
                             on_step=on_step, should_stop=should_stop)
         if run is not None and stats.first_step_time is not None and epoch == resume.epoch:
             run.event("first_step", time=stats.first_step_time, epoch=epoch + 1)
