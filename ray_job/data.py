@@ -195,6 +195,8 @@ def check_data(cfg: TrainConfig) -> None:
         return
     if not os.path.exists(cfg.data_dir) and cfg.data == "imagefolder":
         raise DataError(f"--data-dir {cfg.data_dir} does not exist")
+    if os.path.exists(cfg.data_dir) and not os.path.isdir(cfg.data_dir):
+        raise DataError(f"--data-dir {cfg.data_dir} is a file, not a folder")
     if os.path.exists(cfg.data_dir) and not os.access(cfg.data_dir, os.R_OK | os.X_OK):
         raise DataError(f"--data-dir {cfg.data_dir} is not readable by this user")
     if cfg.data == "cifar10":

@@ -1,0 +1,130 @@
+"""The command line as a user meets it: bad input fails in seconds with one line, and a worker
+that is killed mid-run is replaced without losing more than the current epoch."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import ROOT, TINY, run_cli, tiny_args
+from ray_job.runlog import read_jsonl
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _sentinel_run(tmp_path):
+    """An earlier run's folder whose files must survive every failed start."""
+    run_dir = tmp_path / "results" / "keep"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    return run_dir
+
+
+def _assert_one_line_error(proc, words):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and words in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--data", "cifar10", "--data-dir", "/nonexistent/cifar", "--no-download"], "prepare-data"),
+    (["--data", "imagefolder", "--data-dir", "/nonexistent/images"], "does not exist"),
+    (["--batch-size", "0"], "--batch-size must be a positive"),
+    (["--model", "resnet9000"], "invalid choice"),
+    (["--resume-from", "/nonexistent/checkpoint"], "no checkpoint at"),
+])
+def test_bad_input_fails_fast_with_one_line(tmp_path, extra, words):
+    run_dir = _sentinel_run(tmp_path)
+    start = time.time()
+    proc = run_cli("train", *tiny_args(tmp_path, "keep"), *extra)
+    _assert_one_line_error(proc, words)
+    assert time.time() - start < 30
+    assert (run_dir / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
+    assert not (run_dir / "config.json").exists()
+
+
+def test_data_dir_that_is_a_file_and_corrupt_checkpoint(tmp_path):
+    bad = tmp_path / "file"
+    bad.write_text("x")
+    _assert_one_line_error(run_cli("train", *tiny_args(tmp_path, "k"), "--data", "cifar10",
+                                   "--data-dir", str(bad)), "is a file")
+    corrupt = tmp_path / "ckpt"
+    corrupt.mkdir()
+    (corrupt / "checkpoint.pt").write_bytes(b"PK\x03\x04 truncated")
+    _assert_one_line_error(run_cli("train", *tiny_args(tmp_path, "k"), "--resume-from", str(corrupt)),
+                           "corrupt")
+    _assert_one_line_error(run_cli("train", *TINY, "--storage-path", str(bad / "sub")), "not writable")
+
+
+def test_more_workers_than_the_machine_fails_before_waiting(tmp_path):
+    run_dir = _sentinel_run(tmp_path)
+    start = time.time()
+    proc = run_cli("train", *tiny_args(tmp_path, "keep"), "--num-workers", "64")
+    _assert_one_line_error(proc, "cannot fit")
+    assert time.time() - start < 120  # a local cluster starts, is asked, and we leave
+    assert (run_dir / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
+
+
+def test_help_lists_every_flag_with_defaults():
+    out = run_cli("train", "--help").stdout
+    for flag in ("--num-workers", "--use-gpu", "--no-gpu", "--cpus-per-worker", "--batch-mode",
+                 "--lr", "--label-smoothing", "--stem", "--data-dir", "--storage-path",
+                 "--resume-from", "--max-failures", "--keep-checkpoints", "--seed", "--log-every"):
+        assert flag in out
+    assert "(default: resnet50)" in out.replace("\n", " ").replace("  ", " ") or "default: resnet50" in out
+    assert run_cli("--help").returncode == 0
+
+
+def _train_workers(pid: int) -> list[psutil.Process]:
+    procs = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(p.cmdline()):
+                procs.append(p)
+        except psutil.Error:
+            pass
+    return procs
+
+
+def _checkpoint_registered(run_dir) -> bool:
+    """Epoch 1's checkpoint is in Ray's run snapshot (reported and registered) and epoch 2 runs."""
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    started = [e for e in read_jsonl(str(run_dir / "events.jsonl")) if e["event"] == "epoch_start"]
+    return snapshot.exists() and '"epoch": 1' in snapshot.read_text().replace('"epoch":1', '"epoch": 1') \
+        and any(e["epoch"] == 2 for e in started)
+
+
+def test_killed_worker_is_replaced_and_training_continues(tmp_path):
+    """SIGKILL a real Ray Train worker process mid-epoch; the group restarts from the checkpoint."""
+    args = tiny_args(tmp_path, "kill", "--num-workers", "2", "--epochs", "3", "--max-failures", "1",
+                     "--synthetic-train-size", "1536")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "ray_job", "train", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "results" / "kill"
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and not _checkpoint_registered(run_dir):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        victims = _train_workers(proc.pid)
+        assert len(victims) == 2
+        victims[-1].send_signal(signal.SIGKILL)  # mid-epoch 2
+        out, _ = proc.communicate(timeout=500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    rows = read_jsonl(str(run_dir / "metrics.jsonl"))
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    events = read_jsonl(str(run_dir / "events.jsonl"))
+    starts = [e["epoch"] for e in events if e["event"] == "epoch_start"]
+    assert len(starts) <= 4 and starts[-1] == 3  # at most one epoch recomputed
+    assert any(e["event"] == "resumed" for e in events)
+    assert json.load(open(run_dir / "summary.json"))["finished"]
