@@ -98,9 +98,9 @@ def train_epoch(model: nn.Module, batches: Iterable, optimizer: torch.optim.Opti
             stats.stopped_early = bool(not max_steps or step < max_steps)
             break
         t0 = time.perf_counter()
-    stats.wall_s = time.perf_counter() - start
-    stats.loss_sum = float(stats.loss_sum)
+    stats.loss_sum = float(stats.loss_sum)  # waits for the device, so wall_s includes all work
     stats.correct = int(stats.correct)
+    stats.wall_s = time.perf_counter() - start
     return stats
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -132,7 +133,7 @@ def epoch_metrics(epoch: int, cfg: TrainConfig, train: EpochStats, test: EpochSt
              epoch_s=train.wall_s + test.wall_s, train_s=train.wall_s, eval_s=test.wall_s,
              images_per_s=count / max(train.wall_s, 1e-9), data_s=train.data_s,
              compute_s=train.wall_s - train.data_s, fwd_bwd_s=train.fwd_bwd_s,
-             optim_s=train.optim_s, steps=train.steps, lr=lr, world_size=world)
+             optim_s=train.optim_s, steps=train.steps, lr=lr, world_size=world, time=time.time())
     steady = train.step_times[min(len(train.step_times) - 1, 2):] if train.step_times else []
     if steady:  # skip the first steps (allocation, cudnn autotuning)
         m["steady_images_per_s"] = cfg.global_batch(world) * len(steady) / sum(steady)

@@ -13,6 +13,7 @@ speedup and efficiency against 1 worker, and the communication model's predictio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
@@ -21,13 +22,15 @@ import math
 import os
 import platform
 import sys
+import threading
 import time
 from typing import Any, Optional
 
 from . import commmodel
 from .cli import ArgumentParser, Formatter, add_config_args, apply_recipe, config_from_args
-from .config import TrainConfig, UsageError
-from .runlog import SUMMARY_JSON, write_json
+from .config import PREEMPT_FILE, TrainConfig, UsageError
+from .launch import EXIT_PREEMPTED, check_storage, connect, finished_summary, run_training
+from .runlog import CONFIG_JSON, SUMMARY_JSON, write_json
 
 log = logging.getLogger("ray_job.scale")
 
@@ -154,24 +157,16 @@ def chosen_link(ns: argparse.Namespace, auto: str) -> commmodel.Link:
 
 def run_sweep(ns: argparse.Namespace, cfg: TrainConfig, link: Optional[commmodel.Link],
               argv: list[str]) -> int:
-    from .launch import check_storage, connect
-
     check_storage(cfg)
     sweep_dir = cfg.run_dir()
     os.makedirs(sweep_dir, exist_ok=True)
+    stale = os.path.join(sweep_dir, PREEMPT_FILE)
+    if os.path.exists(stale):
+        os.remove(stale)  # a requeued job must not stop at once
     connect(cfg)
     cluster = cluster_info()
-    if link is None:
-        link = auto_link(cluster, cfg, ns)
-    counts = sorted({1, *ns.workers})
-    modes = modes_of(ns)
-    plan = [(m, n) for m in modes for n in counts if not (n == 1 and m != modes[0])]
-    rows = []
-    for i, (mode, n) in enumerate(plan, 1):
-        log.info("scale: point %d/%d: %s scaling, %d worker(s)", i, len(plan), mode, n)
-        rows.append(measure_point(cfg, sweep_dir, mode, n))
-    for mode in modes[1:]:  # one worker is the same job in every mode: share its row
-        rows.insert(modes.index(mode) * len(counts), {**rows[0], "mode": mode})
+    link = link or auto_link(cluster, cfg, ns)
+    rows = measure_all(cfg, sweep_dir, modes_of(ns), sorted({1, *ns.workers}))
     profile = profile_from_baseline(rows[0], cfg)
     add_speedups_and_predictions(rows, profile, link, ns.overlap, cfg)
     sweep = dict(sweep=cfg.name, sweep_dir=sweep_dir, date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -180,10 +175,30 @@ def run_sweep(ns: argparse.Namespace, cfg: TrainConfig, link: Optional[commmodel
                  model=dict(link=dataclasses.asdict(link), overlap=ns.overlap,
                             backward_fraction=commmodel.BACKWARD_FRACTION,
                             profile=profile.to_dict() if profile else None))
-    table = write_outputs(sweep)
-    print(table)
+    print(write_outputs(sweep))
     print(f"scaling results: {sweep_dir}/{{{SCALING_CSV},{SCALING_JSON},{SCALING_MD},{SCALING_PNG}}}")
-    return 1 if any(r["status"] == "failed" for r in rows) else 0
+    statuses = {r["status"] for r in rows}
+    if statuses & {"preempted", "not run"}:
+        print("sweep stopped on request; run the same command (same --name) to finish it: finished "
+              "points are reused")
+        return EXIT_PREEMPTED
+    return 1 if "failed" in statuses else 0
+
+
+def measure_all(cfg: TrainConfig, sweep_dir: str, modes: list[str], counts: list[int]) -> list[dict]:
+    """One row per (mode, count), modes in order; the 1-worker run is shared by all modes."""
+    plan = [(m, n) for m in modes for n in counts if not (n == 1 and m != modes[0])]
+    rows = []
+    for i, (mode, n) in enumerate(plan, 1):
+        if os.path.exists(os.path.join(sweep_dir, PREEMPT_FILE)):
+            rows.append(dict(mode=mode, workers=n, status="not run", run="",
+                             reason="the sweep was asked to stop (preemption / time limit)"))
+            continue
+        log.info("scale: point %d/%d: %s scaling, %d worker(s)", i, len(plan), mode, n)
+        rows.append(measure_point(cfg, sweep_dir, mode, n))
+    for mode in modes[1:]:
+        rows.insert(modes.index(mode) * len(counts), {**rows[0], "mode": mode})
+    return rows
 
 
 def cluster_info() -> dict:
@@ -213,21 +228,66 @@ def point_config(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> T
 
 def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> dict:
     """Runs one point; a count that cannot run is a row with status skipped/failed and the reason."""
-    from .launch import run_training
-
     point = point_config(cfg, sweep_dir, mode, workers)
     row: dict[str, Any] = dict(mode=mode, workers=workers, status="ok", reason="", run=point.name)
+    if finished_point(point):
+        row["reason"] = "reused: finished by an earlier run of this sweep"
     try:
-        rc = run_training(point)
+        with forward_preempt(sweep_dir, point.run_dir()):
+            rc = run_training(point)
     except UsageError as e:  # does not fit, batch too small for this count, ...
         log.warning("scale: %s %d worker(s) skipped: %s", mode, workers, e)
         return {**row, "status": "skipped", "reason": str(e)}
     except Exception as e:  # one broken point must not lose the whole sweep
         log.exception("scale: %s %d worker(s) failed", mode, workers)
         return {**row, "status": "failed", "reason": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    if rc == EXIT_PREEMPTED:
+        return {**row, "status": "preempted", "reason": "stopped on request; rerun to measure it"}
     if rc != 0:
         return {**row, "status": "failed", "reason": f"train exited with {rc}; see {point.run_dir()}"}
     return {**row, **measurements(point)}
+
+
+def finished_point(point: TrainConfig) -> bool:
+    """True when this point already finished with the same flags (a requeued or repeated sweep).
+
+    An unfinished point folder is moved aside: resuming it would time only part of the work.
+    """
+    d = point.run_dir()
+    if not os.path.isdir(d):
+        return False
+    if finished_summary(point) is not None:
+        with open(os.path.join(d, CONFIG_JSON)) as f:
+            saved = json.load(f)
+        ignore = ("address", "use_gpu")  # the address changes with every SLURM job
+        if {k: v for k, v in saved.items() if k not in ignore} != \
+                {k: v for k, v in point.to_dict().items() if k not in ignore}:
+            raise UsageError(f"{d} holds a finished point run with other flags; use a new --name")
+        return True
+    aside = f"{d}.interrupted-{time.strftime('%Y%m%d_%H%M%S')}"
+    log.warning("scale: moving the unfinished point %s aside to %s and running it again", d, aside)
+    os.replace(d, aside)
+    return False
+
+
+@contextlib.contextmanager
+def forward_preempt(sweep_dir: str, point_dir: str):
+    """The SLURM script asks <sweep>/.preempt to stop; the running point watches its own folder."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(1.0):
+            if os.path.exists(os.path.join(sweep_dir, PREEMPT_FILE)) and os.path.isdir(point_dir):
+                with open(os.path.join(point_dir, PREEMPT_FILE), "w") as f:
+                    f.write(str(time.time()))
+
+    thread = threading.Thread(target=watch, name="forward-preempt", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def measurements(point: TrainConfig) -> dict:

@@ -1,0 +1,243 @@
+"""python -m ray_job bench: images/s of the seed's pipeline against this project's fast path.
+
+Measured in one run, on whatever device is there:
+  1. seed      the seed's pipeline: fp32, batch 128, PIL transforms per sample in a DataLoader with
+               0 workers, torchvision ResNet with its 1000-class head;
+  2. compute   this project's step on one batch already on the device (augmentation included):
+               the ceiling for the data path;
+  3. fast      this project's step without Ray: uint8 batches, pinned, copied, augmented on device;
+  4. ray       the same step inside Ray Train with 1 worker (prepare_model / prepare_data_loader).
+It prints images/s, the data-loading share, peak memory and the ratios, and writes JSON.
+
+    python -m ray_job bench                       # CPU-sized defaults, about a minute here
+    python -m ray_job bench --stems imagenet,cifar --batch-size 2048 --steps 50   # one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import resource
+import time
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .config import UsageError
+
+SEED_BATCH = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    model: str = "resnet50"
+    stems: str = ""             # comma list; "" = imagenet on CPU, imagenet,cifar on GPU
+    batch_size: int = 0         # 0 = 256 on CPU, 2048 (imagenet stem) / 512 (cifar stem) on GPU
+    steps: int = 0              # timed steps; 0 = 4 on CPU, 50 on GPU
+    warmup: int = 0             # untimed steps first; 0 = 1 on CPU, 15 on GPU
+    seed_steps: int = 0         # steps of the seed pipeline; 0 = 4 on CPU, 100 on GPU
+    compile: bool = False
+    ray: bool = True
+    out: str = "results/bench.json"
+
+    def resolved(self, cuda: bool) -> "BenchConfig":
+        pick = (lambda gpu, cpu: gpu if cuda else cpu)
+        return dataclasses.replace(
+            self, stems=self.stems or pick("imagenet,cifar", "imagenet"),
+            steps=self.steps or pick(50, 4), warmup=self.warmup or pick(15, 1),
+            seed_steps=self.seed_steps or pick(100, 4))
+
+    def batch_for(self, stem: str, cuda: bool) -> int:
+        if self.batch_size:
+            return self.batch_size
+        return (2048 if stem == "imagenet" else 512) if cuda else 256
+
+
+def device_and_flags(cuda: bool):
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return device, cuda, cuda  # device, bf16, channels_last: the fast defaults on GPU
+
+
+def constant_scheduler(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def run_steps(model, batches, optimizer, preprocess: Callable, device, bf16: bool, steps: int,
+              warmup: int) -> dict:
+    """img/s and data share over `steps` steps after `warmup` untimed ones (train_epoch timing)."""
+    from .engine import train_epoch
+
+    loss_fn = nn.CrossEntropyLoss()
+    sched = constant_scheduler(optimizer)
+    if warmup:
+        train_epoch(model, batches(), optimizer, sched, loss_fn, preprocess, device, bf16, max_steps=warmup)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    stats = train_epoch(model, batches(), optimizer, sched, loss_fn, preprocess, device, bf16,
+                        max_steps=steps)
+    result = dict(images_per_s=stats.count / stats.wall_s, data_share=stats.data_s / stats.wall_s,
+                  steps=stats.steps, batch=stats.count // max(stats.steps, 1), seconds=stats.wall_s,
+                  peak_host_mem_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    if device.type == "cuda":
+        result["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return result
+
+
+def fast_setup(model_name: str, stem: str, batch: int, images: int, cuda: bool, compile_: bool,
+               prepare_model: Optional[Callable] = None, prepare_loader: Optional[Callable] = None):
+    """This project's fast path: model, optimizer, loader factory and device augmentation."""
+    from .config import TrainConfig
+    from .data import ArrayDataset, DeviceAugment, make_synthetic
+    from .model import build_model, to_device
+    from .optim import build_optimizer
+
+    device, bf16, channels_last = device_and_flags(cuda)
+    model = build_model(model_name, stem, 10)
+    if prepare_model is not None:
+        model = prepare_model(model.to(memory_format=torch.channels_last) if channels_last else model)
+    else:
+        model = to_device(model, device, channels_last)
+    optimizer = build_optimizer(model, TrainConfig(batch_size=batch, lr_ref_batch=batch), 1, device)
+    if compile_:
+        model = torch.compile(model)
+    ds = ArrayDataset(make_synthetic(images, 0, True))
+
+    def batches():
+        loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, drop_last=True,
+                                             collate_fn=ds.collate_fn, pin_memory=cuda)
+        if prepare_loader is not None:
+            return prepare_loader(loader)
+        return ((x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in loader)
+
+    return model, optimizer, batches, DeviceAugment(device, channels_last), device, bf16
+
+
+def bench_fast(cfg: BenchConfig, stem: str, cuda: bool) -> dict:
+    batch = cfg.batch_for(stem, cuda)
+    model, opt, batches, aug, device, bf16 = fast_setup(
+        cfg.model, stem, batch, batch * max(cfg.steps, cfg.warmup), cuda, cfg.compile)
+    fast = run_steps(model, batches, opt, aug, device, bf16, cfg.steps, cfg.warmup)
+    x, y = next(iter(batches()))
+    fixed = (lambda: iter([(x, y)] * max(cfg.steps, cfg.warmup)))
+    compute = run_steps(model, fixed, opt, aug, device, bf16, cfg.steps, cfg.warmup)
+    return {"fast": fast, "compute": compute}
+
+
+def bench_seed(cfg: BenchConfig, cuda: bool) -> dict:
+    """The seed's pipeline as it was: nothing here is this project's code but the timer."""
+    import torchvision
+
+    from .data import TorchvisionDataset, make_synthetic
+
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    model = torchvision.models.__dict__[cfg.model](weights=None).to(device)  # 1000-class head
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ds = TorchvisionDataset(make_synthetic(SEED_BATCH * max(cfg.seed_steps, 2), 0, True), train=True)
+
+    def batches():
+        return iter(torch.utils.data.DataLoader(ds, batch_size=SEED_BATCH, shuffle=True, num_workers=0))
+
+    to_device = (lambda x, train: x.to(device))
+    return run_steps(model, batches, opt, to_device, device, False, cfg.seed_steps, 1)
+
+
+def _ray_worker(config: dict) -> dict:
+    import ray.train.torch
+
+    cfg, stem = BenchConfig(**config["bench"]), config["stem"]
+    torch.set_num_threads(config["threads"])
+    cuda = torch.cuda.is_available() and config["cuda"]
+    batch = cfg.batch_for(stem, cuda)
+    model, opt, batches, aug, device, bf16 = fast_setup(
+        cfg.model, stem, batch, batch * max(cfg.steps, cfg.warmup), cuda, cfg.compile,
+        prepare_model=ray.train.torch.prepare_model,
+        prepare_loader=lambda loader: ray.train.torch.prepare_data_loader(loader))
+    return run_steps(model, batches, opt, aug, device, bf16, cfg.steps, cfg.warmup)
+
+
+def bench_ray(cfg: BenchConfig, stem: str, cuda: bool) -> dict:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
+    threads = torch.get_num_threads()
+    trainer = TorchTrainer(
+        _ray_worker,
+        train_loop_config={"bench": dataclasses.asdict(cfg), "stem": stem, "threads": threads, "cuda": cuda},
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=cuda, resources_per_worker={"CPU": threads}),
+        run_config=RunConfig(name=f"bench_{stem}_{int(time.time())}",
+                             storage_path=os.path.abspath(os.path.join(os.path.dirname(cfg.out) or ".",
+                                                                       "bench_ray"))))
+    return trainer.fit().return_value
+
+
+def measure(cfg: BenchConfig) -> dict:
+    cuda = torch.cuda.is_available()
+    cfg = cfg.resolved(cuda)
+    report = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=torch.cuda.get_device_name() if cuda
+                  else f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})",
+                  torch=torch.__version__, threads=torch.get_num_threads(), config=dataclasses.asdict(cfg))
+    report["seed"] = bench_seed(cfg, cuda)
+    for stem in cfg.stems.split(","):
+        if stem not in ("imagenet", "cifar"):
+            raise UsageError(f"--stems takes imagenet and/or cifar, not {stem!r}")
+        entry = bench_fast(cfg, stem, cuda)
+        if cfg.ray:
+            entry["ray"] = bench_ray(cfg, stem, cuda)
+        entry["speedup_vs_seed"] = entry["fast"]["images_per_s"] / report["seed"]["images_per_s"]
+        entry["fast_vs_compute"] = entry["fast"]["images_per_s"] / entry["compute"]["images_per_s"]
+        if cfg.ray:
+            entry["ray_vs_fast"] = entry["ray"]["images_per_s"] / entry["fast"]["images_per_s"]
+        report[stem] = entry
+    return report
+
+
+def format_report(r: dict) -> str:
+    lines = [f"bench {r['date']} on {r['device']} (torch {r['torch']}, {r['threads']} threads)",
+             f"{'pipeline':<24}{'batch':>7}{'img/s':>11}{'data share':>12}{'peak GPU GiB':>14}{'peak host GiB':>15}"]
+
+    def row(name, m):
+        gpu = f"{m['peak_gpu_mem_gib']:.2f}" if "peak_gpu_mem_gib" in m else "-"
+        lines.append(f"{name:<24}{m['batch']:>7}{m['images_per_s']:>11.1f}{m['data_share']:>11.0%}"
+                     f"{gpu:>14}{m['peak_host_mem_gib']:>15.2f}")
+
+    row("seed (fp32, PIL, 1000)", r["seed"])
+    for stem in r["config"]["stems"].split(","):
+        e = r[stem]
+        for kind in ("compute", "fast", "ray"):
+            if kind in e:
+                row(f"{stem} stem: {kind}", e[kind])
+        ratios = f"  {stem} stem: fast/seed {e['speedup_vs_seed']:.2f}x, fast/compute {e['fast_vs_compute']:.0%}"
+        if "ray_vs_fast" in e:
+            ratios += f", ray/fast {e['ray_vs_fast']:.1%}"
+        lines.append(ratios)
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from .cli import ArgumentParser, Formatter
+
+    parser = ArgumentParser(prog="python -m ray_job bench", formatter_class=Formatter,
+                            description=__doc__.split("\n\n")[0])
+    for f in dataclasses.fields(BenchConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default)
+    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    if min(cfg.batch_size, cfg.steps, cfg.warmup, cfg.seed_steps) < 0:
+        raise UsageError("bench sizes must not be negative (0 picks the device's default)")
+    report = measure(cfg)
+    print(format_report(report))
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
+    with open(cfg.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"written: {cfg.out}")
+    return 0
