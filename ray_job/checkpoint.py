@@ -73,7 +73,7 @@ def restore_training_state(state: dict, *, model, optimizer, scheduler, scaler) 
     unwrap(model).load_state_dict(state["model"])
     if state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])  # moves state to the params' device
-    if state.get("scheduler") is not None:
+    if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])

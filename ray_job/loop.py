@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from .config import PREEMPT_FILE, TrainConfig
 from .data import DeviceAugment, build_dataset, load_splits
 from .engine import EpochStats, evaluate, global_any, global_sums, measure_comm_wait, train_epoch
@@ -182,9 +182,9 @@ def train_loop_per_worker(config: dict) -> dict:
     steps_per_epoch = len(train_loader) if not cfg.steps_per_epoch else min(cfg.steps_per_epoch, len(train_loader))
     optimizer = build_optimizer(unwrap(model), cfg, world, device)
     resume = find_resume_state(cfg, world)
-    if resume.state is not None:
-        unwrap(model).load_state_dict(resume.state["model"])
-        optimizer.load_state_dict(resume.state["optimizer"])
+    if resume.state is not None:  # the schedule is placed by position below, not by its state
+        restore_training_state(resume.state, model=model, optimizer=optimizer, scheduler=None,
+                               scaler=None)
     for group in optimizer.param_groups:  # the peak LR of *this* world size, not the checkpoint's
         group["lr"] = group["initial_lr"] = cfg.scaled_lr(world)
     scheduler = build_scheduler(optimizer, cfg, steps_per_epoch,
