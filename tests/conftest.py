@@ -35,3 +35,195 @@ def ray_local():
     ray.init(address="local", num_cpus=2, include_dashboard=True)
     yield ray
     ray.shutdown()
+
+
+# --- ray head fixtures ---
+# A real `ray start --head --block` cluster for the `ray job submit` tests. Other Ray clusters may
+# run on this machine at the same time, so every port is explicit (a block probed free above the
+# kernel's ephemeral range), the temp dir is short and private, the dashboard listens on loopback
+# only, and the cluster is stopped by the PID of `ray start --block` (never `ray stop`).
+# Token auth uses a fresh token file per head (mode 0600) via RAY_AUTH_MODE=token and
+# RAY_AUTH_TOKEN_PATH, for the head and for every client: ~/.ray/auth_token plays no part.
+import dataclasses
+import json
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import urllib.request
+
+RAY_CLI = os.path.join(os.path.dirname(sys.executable), "ray")
+HEAD_PORTS = 100  # 0-8 services (as slurm_ray_start.sh lays them out), 10-99 worker processes
+# Variables that would point a client at another cluster or token.
+_FOREIGN_RAY_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+                    "RAY_AUTH_TOKEN_PATH")
+
+
+def free_port_block(size: int, lo: int = 61000, hi: int = 65535) -> int:
+    """First port of `size` consecutive ports that are all free. 61000+ lies above the kernel's
+    ephemeral range here (32768-60999), so outgoing connections do not grab them meanwhile."""
+    def free(port):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+                return True
+            except OSError:
+                return False
+
+    nslots = (hi - lo + 1) // size
+    for k in range(nslots):
+        base = lo + (os.getpid() + k) % nslots * size
+        if all(free(p) for p in range(base, base + size)):
+            return base
+    raise RuntimeError(f"no block of {size} free ports in {lo}-{hi}")
+
+
+def head_start_args(base: int) -> list[str]:
+    """`ray start` port flags for a head whose port block starts at `base`."""
+    return [f"--port={base}", "--dashboard-host=127.0.0.1", f"--dashboard-port={base + 1}",
+            f"--ray-client-server-port={base + 2}", f"--node-manager-port={base + 3}",
+            f"--object-manager-port={base + 4}", f"--dashboard-agent-listen-port={base + 5}",
+            f"--dashboard-agent-grpc-port={base + 6}", f"--runtime-env-agent-port={base + 7}",
+            f"--metrics-export-port={base + 8}", f"--min-worker-port={base + 10}",
+            f"--max-worker-port={base + HEAD_PORTS - 1}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RayHead:
+    """A running head started by the `ray_head` fixture, and how to talk to it."""
+    address: str      # http://127.0.0.1:<dashboard port>: the job server, for `ray job --address`
+    temp_dir: str     # the head's --temp-dir (session logs, runtime_resources)
+    token_file: str   # this session's token, mode 0600
+    pid: int          # `ray start --block`
+    log: str          # its stdout/stderr
+
+    def client_env(self, **extra: str) -> dict:
+        """Environment of a CLI client that authenticates with this head's token only."""
+        env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_RAY_ENV}
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.token_file, **extra)
+        return env
+
+    def job(self, action: str, *args: str, env: dict | None = None, timeout: float = 120,
+            cwd: str = ROOT) -> subprocess.CompletedProcess:
+        """`ray job ACTION --address <job server> ARGS`; stdout and stderr together in .stdout."""
+        return subprocess.run([RAY_CLI, "job", action, "--address", self.address, *args], cwd=cwd,
+                              env=self.client_env() if env is None else env, timeout=timeout,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def api(self, path: str, token: str | None = "self") -> dict:
+        """GET a job-server JSON endpoint (bearer token: this head's, another, or none)."""
+        token = open(self.token_file).read().strip() if token == "self" else token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        req = urllib.request.Request(self.address + path, headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.load(resp)
+
+    def job_status(self, job_id: str) -> str:
+        return self.api(f"/api/jobs/{job_id}")["status"]
+
+    def wait_for_job(self, job_id: str, timeout: float,
+                     until=("SUCCEEDED", "FAILED", "STOPPED")) -> str:
+        deadline = time.monotonic() + timeout
+        while (status := self.job_status(job_id)) not in until:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {status} after {timeout:.0f} s")
+            time.sleep(0.5)
+        return status
+
+    def log_tail(self, n: int = 40) -> str:
+        with open(self.log, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+
+def _write_token(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
+def _wait_for_job_server(head: RayHead, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`ray start --head` exited with {proc.returncode}:\n{head.log_tail()}")
+        try:
+            head.api("/api/jobs/")
+            return
+        except (OSError, ValueError):  # refused / reset / not JSON yet
+            time.sleep(0.5)
+    raise RuntimeError(f"the job server at {head.address} did not answer in {timeout:.0f} s:\n"
+                       f"{head.log_tail()}")
+
+
+def _stop_head(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM to `ray start --block` stops this head's processes; SIGKILL its own process
+    group (the session it was started in) if that takes too long."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of this head only
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A real `ray start --head --block` cluster (2 CPUs, token auth) for `ray job submit`;
+    per module, so that it is gone before other tests need the machine's 2 cores."""
+    tmp = tempfile.mkdtemp(prefix="rjh", dir="/tmp")  # short: socket paths stay < 107 bytes
+    token_file = os.path.join(tmp, "token")
+    _write_token(token_file)
+    base = free_port_block(HEAD_PORTS)
+    address = f"http://127.0.0.1:{base + 1}"
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_RAY_ENV}
+    env.update(
+        RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_file,
+        # Ray-internal state-API clients (Ray Train's PlacementGroupCleaner) otherwise guess the
+        # cluster and fail with "Found multiple active Ray instances" when others run here.
+        RAY_API_SERVER_ADDRESS=address,
+        RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+        RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0",
+        PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    log = os.path.join(tmp, "head.log")
+    cmd = [RAY_CLI, "start", "--head", "--block", f"--temp-dir={tmp}/t", *head_start_args(base),
+           "--num-cpus=2", "--num-gpus=0", "--include-dashboard=true", "--disable-usage-stats"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    head = RayHead(address=address, temp_dir=f"{tmp}/t", token_file=token_file, pid=proc.pid, log=log)
+    try:
+        started = time.monotonic()
+        _wait_for_job_server(head, proc, timeout=120)
+        print(f"\nray head pid {proc.pid} at {address} up in {time.monotonic() - started:.1f} s")
+        yield head
+    finally:
+        _stop_head(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+# --- ray head fixtures ---
+
+
+# --- slurm fixtures ---
+# A real two-node SLURM cluster (munged + slurmctld + 2 slurmd, see tests/slurm_cluster.py) for
+# the `sbatch slurm_ray_start.sh` tests; skipped with the reason when not root or not installed.
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    from slurm_cluster import SlurmCluster, missing_requirement
+
+    reason = missing_requirement()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster().start()
+    print(f"\nSLURM test cluster up ({cluster.network}) in {cluster.root}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+# --- slurm fixtures ---
