@@ -160,12 +160,13 @@ def _ray_worker(config: dict) -> dict:
 
 
 def bench_ray(cfg: BenchConfig, stem: str, cuda: bool) -> dict:
-    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
+    from .config import TrainConfig
+    from .launch import connect
+
+    connect(TrainConfig())  # $RAY_ADDRESS, else a local cluster
     threads = torch.get_num_threads()
     trainer = TorchTrainer(
         _ray_worker,

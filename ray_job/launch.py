@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Optional
@@ -88,7 +89,17 @@ def connect(cfg: TrainConfig) -> None:
         log.info("no --address / RAY_ADDRESS: starting a local Ray cluster in this process")
         # Ray Train's preemption watcher only logs a harmless error line on a local cluster.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-        ray.init(address="local")
+        # Ray Train's placement-group cleaner asks the state API; with other clusters on this
+        # machine it cannot tell which one is ours unless told (the workers inherit this env).
+        port = free_port()
+        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+        ray.init(address="local", dashboard_port=port)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def workers_that_fit(cpus: float, gpus: float) -> int:

@@ -32,9 +32,14 @@ def ray_local():
     """A real Ray cluster started in this process, shared by the in-process training tests."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=True)
+    from ray_job.launch import free_port
+
+    port = free_port()  # as launch.connect does: tell Ray Train's state-API users which cluster
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    ray.init(address="local", num_cpus=2, dashboard_port=port)
     yield ray
     ray.shutdown()
+    os.environ.pop("RAY_API_SERVER_ADDRESS", None)
 
 
 # --- ray head fixtures ---
