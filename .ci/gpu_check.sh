@@ -39,8 +39,9 @@ run_fast_recipe() {
 
 run_scale() {
   log "scale: 1 worker vs 2 workers sharing the GPU (gloo, 0.5 GPU each)"
-  timeout 200 python3 -m ray_job scale --workers 1,2 --mode both --gpus-per-worker 0.5 \
-    --backend gloo --model resnet50 --stem cifar --storage-path /tmp/results --name scale_gpu \
+  timeout 300 python3 -m ray_job scale --workers 1,2 --mode both --gpus-per-worker 0.5 \
+    --backend gloo --model resnet50 --stem cifar --data imagefolder --data-dir "$DATA/cifar10-jpeg" \
+    --batch-size 512 --steps-per-epoch 30 --storage-path /tmp/results --name scale_gpu \
     2>&1 | tee "$OUT/scale.txt" | tail -n 20
   cp /tmp/results/scale_gpu/scaling.* "$OUT/" 2>/dev/null || true
 }

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import platform
+import shlex
 import sys
 import threading
 import time
@@ -29,7 +30,8 @@ from typing import Any, Optional
 from . import commmodel
 from .cli import ArgumentParser, Formatter, add_config_args, apply_recipe, config_from_args
 from .config import PREEMPT_FILE, TrainConfig, UsageError
-from .launch import EXIT_PREEMPTED, check_storage, connect, finished_summary, run_training
+from .launch import (EXIT_PREEMPTED, check_storage, connect, finished_summary, run_training,
+                     with_default_name)
 from .runlog import CONFIG_JSON, SUMMARY_JSON, write_json
 
 log = logging.getLogger("ray_job.scale")
@@ -70,8 +72,10 @@ def build_parser(argv: list[str]) -> ArgumentParser:
                    "with gloo; several nodes: ib. --predict: ib)")
     g.add_argument("--bandwidth-gbps", type=float, help="override the link's bus bandwidth (Gbit/s)")
     g.add_argument("--latency-us", type=float, help="override the link's per-step latency (us)")
-    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="model DDP's overlap of all-reduce with backward (the measured runs overlap)")
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="model DDP's overlap of all-reduce with backward; default: on for GPU "
+                   "workers, off for CPU workers (gloo reduces on the cores that compute backward, "
+                   "so little is hidden); --predict prints both")
     p = parser.add_argument_group("--predict: on paper, no Ray, nothing run")
     p.add_argument("--predict", action="store_true", help="print the model's projection and exit")
     p.add_argument("--from", dest="from_path", metavar="SCALING_JSON",
@@ -157,6 +161,7 @@ def chosen_link(ns: argparse.Namespace, auto: str) -> commmodel.Link:
 
 def run_sweep(ns: argparse.Namespace, cfg: TrainConfig, link: Optional[commmodel.Link],
               argv: list[str]) -> int:
+    cfg = with_default_name(cfg)  # checks that --name is a plain folder name
     check_storage(cfg)
     sweep_dir = cfg.run_dir()
     os.makedirs(sweep_dir, exist_ok=True)
@@ -166,13 +171,18 @@ def run_sweep(ns: argparse.Namespace, cfg: TrainConfig, link: Optional[commmodel
     connect(cfg)
     cluster = cluster_info()
     link = link or auto_link(cluster, cfg, ns)
+    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else cluster["gpus"] > 0
+    overlap = ns.overlap if ns.overlap is not None else use_gpu
+    load_before = os.getloadavg()[0]
     rows = measure_all(cfg, sweep_dir, modes_of(ns), sorted({1, *ns.workers}))
+    # Other jobs on the driver's host skew the timings: keep the load beside them.
+    cluster["driver_host_load_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     profile = profile_from_baseline(rows[0], cfg)
-    add_speedups_and_predictions(rows, profile, link, ns.overlap, cfg)
+    add_speedups_and_predictions(rows, profile, link, overlap, cfg)
     sweep = dict(sweep=cfg.name, sweep_dir=sweep_dir, date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
-                 command="python -m ray_job scale " + " ".join(argv), host=platform.node(),
+                 command="python -m ray_job scale " + shlex.join(argv), host=platform.node(),
                  cluster=cluster, config=cfg.to_dict(), rows=rows,
-                 model=dict(link=dataclasses.asdict(link), overlap=ns.overlap,
+                 model=dict(link=dataclasses.asdict(link), overlap=overlap,
                             backward_fraction=commmodel.BACKWARD_FRACTION,
                             profile=profile.to_dict() if profile else None))
     print(write_outputs(sweep))
@@ -221,9 +231,11 @@ def auto_link(cluster: dict, cfg: TrainConfig, ns: argparse.Namespace) -> commmo
 
 
 def point_config(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> TrainConfig:
+    if workers == 1:  # the same job in every mode, so any later sweep of either mode reuses it
+        return dataclasses.replace(cfg, storage_path=sweep_dir, num_workers=1, name="w1",
+                                   batch_mode="global")
     return dataclasses.replace(cfg, storage_path=sweep_dir, num_workers=workers,
-                               name="w1" if workers == 1 else f"{mode}_w{workers}",
-                               batch_mode=MODES[mode])
+                               name=f"{mode}_w{workers}", batch_mode=MODES[mode])
 
 
 def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> dict:
@@ -336,8 +348,7 @@ def add_speedups_and_predictions(rows: list[dict], profile: Optional[commmodel.S
         r["efficiency"] = r["speedup"] / r["workers"]
         if profile is None:
             continue
-        batch = cfg.batch_size
-        p = commmodel.predict(profile, link, r["workers"], r["mode"], batch, overlap)
+        p = commmodel.predict(profile, link, r["workers"], r["mode"], cfg.batch_size, overlap)
         if p is None:
             continue
         r.update(pred_comm_s=p.comm_s, pred_exposed_comm_s=p.exposed_comm_s, pred_step_s=p.step_s,
@@ -366,6 +377,11 @@ def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
         else format(value * scale, spec)
 
 
+def load_text(cluster: dict) -> str:
+    before, after = cluster.get("driver_host_load_1min") or (math.nan, math.nan)
+    return f"{before:.1f} at start, {after:.1f} at end"
+
+
 def markdown(sweep: dict) -> str:
     link, cl = sweep["model"]["link"], sweep["cluster"]
     head = ["mode", "N", "global batch", "steps", "train s", "wall s", "1st step s", "img/s",
@@ -373,7 +389,7 @@ def markdown(sweep: dict) -> str:
             "model step ms", "model comm wait ms", "model efficiency", "model error"]
     lines = [f"# Scaling sweep `{sweep['sweep']}`", "",
              f"{sweep['date']} on {sweep['host']} ({cl['nodes']} node(s), {cl['cpus']:g} CPUs, "
-             f"{cl['gpus']:g} GPUs)  ", f"`{sweep['command']}`", "",
+             f"{cl['gpus']:g} GPUs; driver host load {load_text(cl)})  ", f"`{sweep['command']}`", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sweep["rows"]:
         if r["status"] != "ok":
@@ -463,8 +479,10 @@ def paper_profile(ns: argparse.Namespace, cfg: TrainConfig, previous: Optional[d
                                         optim_s=optim, grad_bytes=0, source=source)
     if ns.grad_mb is not None:
         nbytes, what = ns.grad_mb * 1e6, "--grad-mb"
-    elif previous is not None:
-        nbytes, what = profile.grad_bytes, "the sweep's"
+    elif previous is not None:  # the sweep's bytes, re-halved if --grad-compression differs
+        saved_bf16 = previous["config"].get("grad_compression") == "bf16"
+        nbytes = profile.grad_bytes * (2 if saved_bf16 else 1) * (0.5 if cfg.grad_compression == "bf16" else 1)
+        what = f"the sweep's model, {'bf16' if cfg.grad_compression == 'bf16' else 'fp32'}"
     else:
         from .model import build_model, gradient_bytes
 
@@ -494,9 +512,9 @@ def print_projection(ns: argparse.Namespace, cfg: TrainConfig, link: commmodel.L
     counts = sorted({1, *ns.workers})
     print(f"projection on {link.name}: {link.bandwidth_gbps:g} Gbit/s, {link.latency_us:g} us per "
           f"ring step ({link.note})\nsingle worker: {profile.source}\n"
-          f"backward hides up to {commmodel.BACKWARD_FRACTION:.2f} of forward+backward when overlapped")
+          f"+overlap: backward hides up to {commmodel.BACKWARD_FRACTION:.2f} of forward+backward")
     head = (f"{'mode':>6} {'N':>5} {'batch/worker':>12} {'all-reduce ms':>13} {'step ms':>9} "
-            f"{'(overlap)':>9} {'efficiency':>10} {'(overlap)':>9}")
+            f"{'+overlap':>9} {'efficiency':>10} {'+overlap':>9}")
     print(head + "\n" + "-" * len(head))
     for mode in modes_of(ns):
         for n in counts:
