@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import statistics
 import time
 import tempfile
 from dataclasses import dataclass
@@ -135,8 +136,8 @@ def epoch_metrics(epoch: int, cfg: TrainConfig, train: EpochStats, test: EpochSt
              compute_s=train.wall_s - train.data_s, fwd_bwd_s=train.fwd_bwd_s,
              optim_s=train.optim_s, steps=train.steps, lr=lr, world_size=world, time=time.time())
     steady = train.step_times[min(len(train.step_times) - 1, 2):] if train.step_times else []
-    if steady:  # skip the first steps (allocation, cudnn autotuning)
-        m["steady_images_per_s"] = cfg.global_batch(world) * len(steady) / sum(steady)
+    if steady:  # skip the first steps (allocation, autotuning); the median resists noisy neighbours
+        m["steady_images_per_s"] = cfg.global_batch(world) / statistics.median(steady)
     if device.type == "cuda":
         m["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     m["peak_host_mem_gib"] = peak_rss_gib()
