@@ -212,10 +212,10 @@ def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
     try:
         result = build_trainer(cfg).fit()
     except TrainingFailedError as e:
-        write_summary(cfg, started, finished=False, error=str(e).splitlines()[0])
-        print(f"error: training failed after {cfg.max_failures} restart(s): "
-              f"{str(e).splitlines()[0]} (worker logs above; --max-failures allows more restarts)",
-              file=sys.stderr)
+        reason = " ".join(str(e).split())[:300]  # one line: the error's own text, whitespace folded
+        write_summary(cfg, started, finished=False, error=reason)
+        print(f"error: training failed after {cfg.max_failures} restart(s): {reason} (worker logs "
+              f"above; --max-failures allows more restarts)", file=sys.stderr)
         return 1
     outcome = result.return_value or {}
     best = result.get_best_checkpoint("test_acc", "max") if result.best_checkpoints else None

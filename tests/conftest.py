@@ -225,7 +225,8 @@ def slurm_cluster():
     reason = missing_requirement()
     if reason:
         pytest.skip(reason)
-    cluster = SlurmCluster().start()
+    # SLURM_TEST_NETWORK=loopback|netns forces a layout (default: namespaces when possible).
+    cluster = SlurmCluster(network=os.environ.get("SLURM_TEST_NETWORK", "auto")).start()
     print(f"\nSLURM test cluster up ({cluster.network}) in {cluster.root}")
     try:
         yield cluster
