@@ -103,6 +103,7 @@ def log_topology(cfg: TrainConfig, run: Optional[RunLog], device: torch.device, 
     ctx = ray.train.get_context()
     me = dict(rank=ctx.get_world_rank(), local_rank=ctx.get_local_rank(), node_rank=ctx.get_node_rank(),
               hostname=socket.gethostname(), node_ip=ray.util.get_node_ip_address(),
+              node_id=ray.get_runtime_context().get_node_id(),
               pid=os.getpid(), device=str(device))
     logging.getLogger("ray_job.worker").warning(
         "worker rank %(rank)d: node %(node_rank)d (%(hostname)s %(node_ip)s) local rank "
@@ -113,7 +114,7 @@ def log_topology(cfg: TrainConfig, run: Optional[RunLog], device: torch.device, 
         dist.all_gather_object(everyone, me)
     if run is None:
         return
-    nodes = sorted({(w["node_ip"], w["hostname"]) for w in everyone})
+    nodes = sorted({w["node_id"] for w in everyone})  # Ray nodes, even when they share an IP
     master = f"{os.environ.get('MASTER_ADDR', everyone[0]['node_ip'])}:{os.environ.get('MASTER_PORT', '?')}"
     log.info("topology: world size %d on %d node(s), backend %s, master %s", len(everyone),
              len(nodes), backend, master)

