@@ -44,7 +44,13 @@ def setup_logging(rank: int) -> None:
         root.propagate = False
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     # Ray logs every report's full metrics dict from every rank; our epoch line says it once.
-    logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
+    # (that module names its logger by its file path, hence __file__).
+    try:
+        from ray.train.v2._internal.execution import context as ray_context
+
+        logging.getLogger(ray_context.__file__).setLevel(logging.WARNING)
+    except ImportError:  # another Ray layout: only noise is at stake
+        pass
 
 
 @dataclass
