@@ -96,8 +96,10 @@ def make_model(cfg: TrainConfig, num_classes: int, channels_last: bool):
     model = build_model(cfg.model, cfg.stem, num_classes)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    # Gradients as views into DDP's buckets save a copy per step; compiled backward graphs may
+    # lay gradients out differently from the buckets, which would undo that, so not with --compile.
     model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=dict(
-        gradient_as_bucket_view=True, bucket_cap_mb=cfg.ddp_bucket_mb))
+        gradient_as_bucket_view=not cfg.compile, bucket_cap_mb=cfg.ddp_bucket_mb))
     if cfg.grad_compression == "bf16" and hasattr(model, "register_comm_hook"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
