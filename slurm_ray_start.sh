@@ -185,25 +185,7 @@ resolve_addresses() {
 # slot $1 of the range [$3, $4]. The slot comes from the job id, so concurrent jobs look at
 # different blocks first; the bind test catches what other jobs (or programs) already hold.
 find_free_block() {
-  "$RJ_PYTHON" - "$@" <<'PY'
-import socket, sys
-slot, size, lo, hi = map(int, sys.argv[1:])
-nslots = (hi - lo + 1) // size
-def free(port):
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-            return True
-        except OSError:
-            return False
-for k in range(nslots):
-    base = lo + (slot + k) % nslots * size
-    if all(free(p) for p in range(base, base + size)):
-        print(base)
-        sys.exit(0)
-sys.exit(f"no block of {size} free ports in {lo}-{hi}")
-PY
+  "$RJ_PYTHON" -m ray_job.ports "$@"
 }
 
 # Ray port flags for a node whose block starts at $1 ($1+0..2 are the head's GCS, dashboard and

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Optional
@@ -18,6 +17,7 @@ from typing import Optional
 from .checkpoint import load_checkpoint
 from .config import PREEMPT_FILE, TrainConfig, UsageError
 from .data import check_data
+from .ports import free_port
 from .runlog import (CONFIG_JSON, EVENTS_JSONL, METRICS_JSONL, SUMMARY_JSON, read_jsonl,
                      write_json)
 
@@ -94,12 +94,6 @@ def connect(cfg: TrainConfig) -> None:
         port = free_port()
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         ray.init(address="local", dashboard_port=port)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workers_that_fit(cpus: float, gpus: float) -> int:

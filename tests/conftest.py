@@ -32,7 +32,7 @@ def ray_local():
     """A real Ray cluster started in this process, shared by the in-process training tests."""
     import ray
 
-    from ray_job.launch import free_port
+    from ray_job.ports import free_port
 
     port = free_port()  # as launch.connect does: tell Ray Train's state-API users which cluster
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
@@ -54,7 +54,6 @@ import json
 import secrets
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import urllib.request
@@ -67,23 +66,11 @@ _FOREIGN_RAY_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "R
 
 
 def free_port_block(size: int, lo: int = 61000, hi: int = 65535) -> int:
-    """First port of `size` consecutive ports that are all free. 61000+ lies above the kernel's
-    ephemeral range here (32768-60999), so outgoing connections do not grab them meanwhile."""
-    def free(port):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("", port))
-                return True
-            except OSError:
-                return False
+    """First port of `size` consecutive free ports. 61000+ lies above the kernel's ephemeral
+    range here (32768-60999), so outgoing connections do not grab them meanwhile."""
+    from ray_job.ports import free_port_block as find
 
-    nslots = (hi - lo + 1) // size
-    for k in range(nslots):
-        base = lo + (os.getpid() + k) % nslots * size
-        if all(free(p) for p in range(base, base + size)):
-            return base
-    raise RuntimeError(f"no block of {size} free ports in {lo}-{hi}")
+    return find(size, lo, hi, slot=os.getpid())
 
 
 def head_start_args(base: int) -> list[str]:
