@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import platform
-import resource
 import time
 from typing import Callable, Optional
 
@@ -69,7 +68,7 @@ def constant_scheduler(optimizer):
 def run_steps(model, batches, optimizer, preprocess: Callable, device, bf16: bool, steps: int,
               warmup: int) -> dict:
     """img/s and data share over `steps` steps after `warmup` untimed ones (train_epoch timing)."""
-    from .engine import train_epoch
+    from .engine import peak_rss_gib, train_epoch
 
     loss_fn = nn.CrossEntropyLoss()
     sched = constant_scheduler(optimizer)
@@ -81,7 +80,7 @@ def run_steps(model, batches, optimizer, preprocess: Callable, device, bf16: boo
                         max_steps=steps)
     result = dict(images_per_s=stats.count / stats.wall_s, data_share=stats.data_s / stats.wall_s,
                   steps=stats.steps, batch=stats.count // max(stats.steps, 1), seconds=stats.wall_s,
-                  peak_host_mem_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+                  peak_host_mem_gib=peak_rss_gib())
     if device.type == "cuda":
         result["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return result

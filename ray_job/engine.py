@@ -125,6 +125,13 @@ def evaluate(model: nn.Module, batches: Iterable, loss_fn: Callable, preprocess:
     return stats
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (host memory of one worker, or of the caller)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def global_sums(values: list[float], device: torch.device) -> list[float]:
     """Element-wise sum over all ranks (identity without a process group)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)

@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .checkpoint import load_checkpoint, restore_training_state, save_checkpoint
 from .config import PREEMPT_FILE, TrainConfig
 from .data import DeviceAugment, build_dataset, load_splits
-from .engine import EpochStats, evaluate, global_any, global_sums, measure_comm_wait, train_epoch
+from .engine import (EpochStats, evaluate, global_any, global_sums, measure_comm_wait, peak_rss_gib,
+                     train_epoch)
 from .model import build_model, gradient_bytes, to_device, unwrap
 from .optim import build_optimizer, build_scheduler
 from .runlog import TOPOLOGY_JSON, RunLog, write_json
@@ -151,12 +152,6 @@ def epoch_metrics(epoch: int, cfg: TrainConfig, train: EpochStats, test: EpochSt
         m["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     m["peak_host_mem_gib"] = peak_rss_gib()
     return m
-
-
-def peak_rss_gib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def report(metrics: dict, run: Optional[RunLog], save_kwargs: Optional[dict]) -> None:
