@@ -15,35 +15,40 @@ It prints images/s, the data-loading share, peak memory and the ratios, and writ
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import platform
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import nn
 
-from .config import UsageError
+from .config import MODELS, Speed, UsageError, resolve_path
 
 SEED_BATCH = 128
 
 
+def _h(default, help: str, **kw):
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-    model: str = "resnet50"
-    stems: str = ""             # comma list; "" = imagenet on CPU, imagenet,cifar on GPU
-    batch_size: int = 0         # 0 = 256 on CPU, 2048 (imagenet stem) / 512 (cifar stem) on GPU
-    steps: int = 0              # timed steps; 0 = 4 on CPU, 50 on GPU
-    warmup: int = 0             # untimed steps first; 0 = 1 on CPU, 15 on GPU
-    seed_steps: int = 0         # steps of the seed pipeline; 0 = 4 on CPU, 100 on GPU
-    compile: bool = False
-    ray: bool = True
-    out: str = "results/bench.json"
+    model: str = _h("resnet50", "torchvision ResNet to time", choices=MODELS)
+    stems: str = _h("", "comma list of stems (imagenet, cifar); default: imagenet on CPU, "
+                    "imagenet,cifar on GPU")
+    batch_size: int = _h(0, "batch size; 0 = 256 on CPU, 2048 (imagenet stem) / 512 (cifar stem) "
+                         "on GPU")
+    steps: int = _h(0, "timed steps; 0 = 4 on CPU, 50 on GPU")
+    warmup: int = _h(0, "untimed steps first; 0 = 1 on CPU, 15 on GPU")
+    seed_steps: int = _h(0, "steps of the seed pipeline; 0 = 4 on CPU, 100 on GPU")
+    compile: bool = _h(False, "torch.compile this project's model")
+    ray: bool = _h(True, "also time the step under Ray Train (1 worker)")
+    out: str = _h("results/bench.json", "where the JSON report goes")
 
-    def resolved(self, cuda: bool) -> "BenchConfig":
+    def resolved(self, cuda: bool) -> BenchConfig:
         pick = (lambda gpu, cpu: gpu if cuda else cpu)
         return dataclasses.replace(
             self, stems=self.stems or pick("imagenet,cifar", "imagenet"),
@@ -57,8 +62,10 @@ class BenchConfig:
 
 
 def device_and_flags(cuda: bool):
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return device, cuda, cuda  # device, bf16, channels_last: the fast defaults on GPU
+    """The device and `train`'s own choice of bf16 / channels_last for it (flags at their defaults)."""
+    speed = Speed.choose("auto", "auto", use_gpu=cuda, cuda_available=cuda)
+    device = torch.device("cuda", torch.cuda.current_device()) if speed.cuda else torch.device("cpu")
+    return device, speed.bf16, speed.channels_last
 
 
 def constant_scheduler(optimizer):
@@ -172,8 +179,7 @@ def bench_ray(cfg: BenchConfig, stem: str, cuda: bool) -> dict:
         train_loop_config={"bench": dataclasses.asdict(cfg), "stem": stem, "threads": threads, "cuda": cuda},
         scaling_config=ScalingConfig(num_workers=1, use_gpu=cuda, resources_per_worker={"CPU": threads}),
         run_config=RunConfig(name=f"bench_{stem}_{int(time.time())}",
-                             storage_path=os.path.abspath(os.path.join(os.path.dirname(cfg.out) or ".",
-                                                                       "bench_ray"))))
+                             storage_path=os.path.join(os.path.dirname(cfg.out), "bench_ray")))
     return trainer.fit().return_value
 
 
@@ -221,23 +227,19 @@ def format_report(r: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from .cli import ArgumentParser, Formatter
+    from .cli import ArgumentParser, Formatter, add_dataclass_args
+    from .runlog import write_json
 
     parser = ArgumentParser(prog="python -m ray_job bench", formatter_class=Formatter,
                             description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(BenchConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default)
+    add_dataclass_args(parser, BenchConfig)
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    cfg = dataclasses.replace(cfg, out=resolve_path(cfg.out))
     if min(cfg.batch_size, cfg.steps, cfg.warmup, cfg.seed_steps) < 0:
         raise UsageError("bench sizes must not be negative (0 picks the device's default)")
     report = measure(cfg)
     print(format_report(report))
-    os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
-    with open(cfg.out, "w") as f:
-        json.dump(report, f, indent=2)
+    os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
+    write_json(cfg.out, report)
     print(f"written: {cfg.out}")
     return 0

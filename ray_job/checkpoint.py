@@ -7,7 +7,6 @@ CPU first, so a checkpoint loads on any world size and any device.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
 
 import torch
 
@@ -21,17 +20,17 @@ class CheckpointError(UsageError):
     """A checkpoint that is missing or cannot be read."""
 
 
-def save_checkpoint(directory: str, *, model: torch.nn.Module, optimizer, scheduler,
-                    scaler: Optional[Any], epoch: int, step: int, config: dict,
-                    metrics: dict, world_size: int = 1) -> str:
-    """Writes the training state; `epoch` counts finished epochs, `step` the steps into the next."""
+def save_checkpoint(directory: str, *, model: torch.nn.Module, optimizer, epoch: int, step: int,
+                    config: dict, metrics: dict, world_size: int = 1) -> str:
+    """Writes the training state; `epoch` counts finished epochs, `step` the steps into the next.
+
+    The LR schedule is not saved: it is a pure function of the position (epoch, step).
+    """
     os.makedirs(directory, exist_ok=True)
     state = {
         "format_version": FORMAT_VERSION,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else None,
         "epoch": epoch,
         "step": step,
         "world_size": world_size,
@@ -63,17 +62,17 @@ def load_checkpoint(path: str) -> dict:
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise CheckpointError(f"{file} is not a ray_job checkpoint (no model/epoch); pick another "
                               f"with --resume-from")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{file} has checkpoint format {state.get('format_version')!r}; this "
+                              f"ray_job reads format {FORMAT_VERSION}: pick a checkpoint it wrote, "
+                              f"or start without --resume-from")
     return state
 
 
-def restore_training_state(state: dict, *, model, optimizer, scheduler, scaler) -> None:
+def restore_training_state(state: dict, *, model, optimizer) -> None:
     """Loads a checkpoint's states into freshly built (possibly wrapped) objects."""
     from .model import unwrap
 
     unwrap(model).load_state_dict(state["model"])
     if state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])  # moves state to the params' device
-    if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state.get("scaler") is not None:
-        scaler.load_state_dict(state["scaler"])

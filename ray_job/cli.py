@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from .config import RECIPES, TrainConfig, UsageError, _flag
 
@@ -30,30 +31,41 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _value_type(field: dataclasses.Field) -> Any:
-    if field.name == "address":
-        return str
-    return type(field.default)
+    if "type" in field.metadata:
+        return field.metadata["type"]
+    return str if field.default is None else type(field.default)
 
 
-def add_config_args(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = (),
+                       titles: Optional[dict] = None) -> None:
+    """One flag per field of the dataclass `cls`: same name (`-` for `_`), default, help, choices.
+
+    Fields may carry metadata: help, group (an argument group, titled by `titles`), choices,
+    bool_flag (--x/--no-x; implied for bool defaults) and type (for Optional fields).
+    """
     groups: dict[str, Any] = {}
-    for f in dataclasses.fields(TrainConfig):
+    for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         meta = f.metadata
-        group = groups.get(meta["group"]) or groups.setdefault(
-            meta["group"], parser.add_argument_group(GROUP_TITLES[meta["group"]]))
+        name = meta.get("group")
+        group = parser if name is None else groups.get(name) or groups.setdefault(
+            name, parser.add_argument_group((titles or {}).get(name, name)))
         flag = f"--{_flag(f.name)}"
-        if meta.get("bool_flag"):
+        if meta.get("bool_flag") or isinstance(f.default, bool):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=f.default, help=meta["help"])
+                               default=f.default, help=meta.get("help"))
         else:
             group.add_argument(flag, dest=f.name, type=_value_type(f), default=f.default,
-                               choices=meta.get("choices"), help=meta["help"],
+                               choices=meta.get("choices"), help=meta.get("help"),
                                metavar=None if meta.get("choices") else f.name.upper())
         if f.name == "use_gpu":
             group.add_argument("--no-gpu", dest="use_gpu", action="store_false",
                                help="same as --no-use-gpu: train on CPUs with gloo")
+
+
+def add_config_args(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
+    add_dataclass_args(parser, TrainConfig, skip, GROUP_TITLES)
 
 
 def apply_recipe(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
@@ -72,11 +84,17 @@ def config_from_args(ns: argparse.Namespace, **overrides: Any) -> TrainConfig:
     return TrainConfig(**{**values, **overrides})
 
 
-def parse_train_args(argv: Optional[Sequence[str]], prog: str = "python -m ray_job train") -> TrainConfig:
+def build_train_parser(argv: Sequence[str], prog: str = "python -m ray_job train") -> ArgumentParser:
+    """The `train` parser, with the --recipe named in `argv` applied to its defaults."""
     parser = ArgumentParser(prog=prog, formatter_class=Formatter, description=TRAIN_DESCRIPTION)
     add_config_args(parser)
-    apply_recipe(parser, argv or [])
-    return config_from_args(parser.parse_args(argv))
+    apply_recipe(parser, argv)
+    return parser
+
+
+def parse_train_args(argv: Optional[Sequence[str]], prog: str = "python -m ray_job train") -> TrainConfig:
+    argv = list(argv or [])
+    return config_from_args(build_train_parser(argv, prog).parse_args(argv))
 
 
 TRAIN_DESCRIPTION = """\

@@ -28,7 +28,9 @@ BACKENDS = ("auto", "nccl", "gloo")
 BATCH_MODES = ("global", "per-worker")
 GRAD_COMPRESSIONS = ("none", "bf16")
 TRISTATE = ("auto", "on", "off")
-PREEMPT_FILE = ".preempt"
+PROGRESS = ("auto", "bar", "lines")
+# Fields that name files or folders: resolved once, on the driver (see `resolve_path`).
+PATH_FIELDS = ("data_dir", "storage_path", "resume_from")
 
 
 def _f(default: Any, help: str, group: str, choices: Optional[tuple] = None, **kw: Any) -> Any:
@@ -118,7 +120,11 @@ class TrainConfig:
     max_failures: int = _f(2, "worker-group restarts (from the last checkpoint) before giving up",
                            "results")
     keep_checkpoints: int = _f(2, "checkpoints to keep, best by test accuracy", "results")
-    log_every: int = _f(50, "rank 0 logs a progress line every N steps (0 = never)", "results")
+    log_every: int = _f(10, "rank 0 prints a progress line every N steps, and at least every "
+                        "10 s (0 = epoch lines only)", "results")
+    progress: str = _f("auto", "progress display: a live bar (on a terminal), or plain lines (SLURM "
+                       "logs, `ray job logs`); auto = bar when the driver's stdout is a terminal",
+                       "results", PROGRESS)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -159,13 +165,23 @@ class TrainConfig:
         return self.lr * self.global_batch(world_size) / self.lr_ref_batch
 
     def run_dir(self) -> str:
-        return os.path.join(os.path.abspath(os.path.expanduser(self.storage_path)), self.name)
+        """<storage-path>/<name>; absolute once `with_resolved_paths` has run on the driver."""
+        return join_path(self.storage_path, self.name)
+
+    def with_resolved_paths(self, cwd: Optional[str] = None) -> TrainConfig:
+        """The same config with every path field made absolute against the user's directory.
+
+        Ray workers run in their own working directory, so a relative path means something else
+        there: the driver calls this once, before the config leaves it (and before config.json).
+        """
+        return dataclasses.replace(self, **{
+            name: resolve_path(getattr(self, name), cwd) for name in PATH_FIELDS})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False)
 
 
 # Presets change defaults only; flags given on the command line are applied on top.
@@ -179,3 +195,51 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def is_uri(path: str) -> bool:
+    """s3://bucket/key and other pyarrow.fs URIs: never resolved against a local directory."""
+    return "://" in path
+
+
+def resolve_path(path: str, cwd: Optional[str] = None) -> str:
+    """The one place a path given by the user becomes absolute ('' and URIs stay as they are)."""
+    if not path or is_uri(path):
+        return path
+    path = os.path.expanduser(path)
+    return os.path.normpath(os.path.join(cwd or os.getcwd(), path))
+
+
+def join_path(base: str, *parts: str) -> str:
+    """os.path.join for local paths, '/'-join for URIs."""
+    if is_uri(base):
+        return "/".join([base.rstrip("/"), *parts])
+    return os.path.join(base, *parts)
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Device and numerics of a worker, decided in one place from the config and the hardware."""
+
+    cuda: bool
+    bf16: bool
+    channels_last: bool
+
+    @classmethod
+    def choose(cls, precision: str, channels_last: str, use_gpu: Optional[bool],
+               cuda_available: bool) -> Speed:
+        cuda = bool(use_gpu) and cuda_available
+        bf16 = precision == "bf16" or (precision == "auto" and cuda)
+        nhwc = channels_last == "on" or (channels_last == "auto" and cuda)
+        return cls(cuda, bf16, nhwc)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, cuda_available: bool) -> Speed:
+        return cls.choose(cfg.precision, cfg.channels_last, cfg.use_gpu, cuda_available)
+
+
+def choose_use_gpu(requested: Optional[bool], cluster_gpus: float) -> bool:
+    """--use-gpu / --no-use-gpu as given, else yes exactly when the cluster has GPUs."""
+    if requested and cluster_gpus == 0:
+        raise UsageError("--use-gpu was given but the Ray cluster has no GPUs; drop it or use --no-gpu")
+    return requested if requested is not None else cluster_gpus > 0

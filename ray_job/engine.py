@@ -9,9 +9,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Callable, Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -138,11 +139,6 @@ def global_sums(values: list[float], device: torch.device) -> list[float]:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t.tolist()
-
-
-def global_any(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is true on any rank."""
-    return global_sums([1.0 if flag else 0.0], device)[0] > 0
 
 
 def measure_comm_wait(model: nn.Module, batch, loss_fn: Callable, preprocess: Callable,

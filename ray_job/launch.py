@@ -6,20 +6,19 @@ Every check that can fail fast runs before any worker starts, so bad input costs
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import signal
 import sys
 import time
 from typing import Optional
 
+from . import metrics, stop
 from .checkpoint import load_checkpoint
-from .config import PREEMPT_FILE, TrainConfig, UsageError
+from .config import TrainConfig, UsageError, choose_use_gpu
 from .data import check_data
 from .ports import free_port
-from .runlog import (CONFIG_JSON, EVENTS_JSONL, METRICS_JSONL, SUMMARY_JSON, read_jsonl,
-                     write_json)
+from .runlog import (CONFIG_JSON, EVENTS_JSONL, METRICS_JSONL, SUMMARY_JSON, read_json, read_jsonl,
+                     read_metrics, write_json)
 
 log = logging.getLogger("ray_job.driver")
 EXIT_PREEMPTED = 3
@@ -35,8 +34,15 @@ def with_default_name(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, name=time.strftime("ray_job_%Y%m%d_%H%M%S"))
 
 
+def with_progress(cfg: TrainConfig) -> TrainConfig:
+    """--progress auto: a live bar when the user watches a terminal, plain lines in log files."""
+    if cfg.progress != "auto":
+        return cfg
+    return dataclasses.replace(cfg, progress="bar" if sys.stdout.isatty() else "lines")
+
+
 def check_storage(cfg: TrainConfig) -> None:
-    root = os.path.abspath(os.path.expanduser(cfg.storage_path))
+    root = cfg.storage_path
     try:
         os.makedirs(root, exist_ok=True)
         probe = os.path.join(root, f".write_test_{os.getpid()}")
@@ -68,8 +74,7 @@ def finished_summary(cfg: TrainConfig) -> Optional[dict]:
     path = os.path.join(cfg.run_dir(), SUMMARY_JSON)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        summary = json.load(f)
+    summary = read_json(path)
     done = summary.get("finished") and summary.get("epochs_completed", 0) >= cfg.epochs
     return summary if done else None
 
@@ -117,9 +122,7 @@ def resolve_workers(cfg: TrainConfig) -> TrainConfig:
     import ray
 
     total_gpus = ray.cluster_resources().get("GPU", 0)
-    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else total_gpus > 0
-    if use_gpu and total_gpus == 0:
-        raise UsageError("--use-gpu was given but the Ray cluster has no GPUs; drop it or use --no-gpu")
+    use_gpu = choose_use_gpu(cfg.use_gpu, total_gpus)
     num_workers = cfg.num_workers or (int(total_gpus // cfg.gpus_per_worker) if use_gpu else 1)
     gpus = cfg.gpus_per_worker if use_gpu else 0
     if cfg.gpus_per_worker < 1 and use_gpu and cfg.backend != "gloo":
@@ -150,7 +153,7 @@ def build_trainer(cfg: TrainConfig):
                                      resources_per_worker=resources),
         run_config=RunConfig(
             name=cfg.name,
-            storage_path=os.path.abspath(os.path.expanduser(cfg.storage_path)),
+            storage_path=cfg.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints,
                                                checkpoint_score_attribute="test_acc",
                                                checkpoint_score_order="max"),
@@ -159,19 +162,11 @@ def build_trainer(cfg: TrainConfig):
     )
 
 
-def request_stop_on_usr1(cfg: TrainConfig) -> None:
-    """SIGUSR1 (SLURM's pre-timeout signal) asks the workers to checkpoint and stop."""
-    def handler(signum, frame):
-        with open(os.path.join(cfg.run_dir(), PREEMPT_FILE), "w") as f:
-            f.write(str(time.time()))
-        log.info("SIGUSR1: asked the workers to checkpoint and stop")
-    signal.signal(signal.SIGUSR1, handler)
-
-
 # --- the whole run -----------------------------------------------------------------------------
 
 def preflight(cfg: TrainConfig) -> TrainConfig:
-    cfg = with_default_name(cfg)
+    """Decisions made once, on the driver, and checks that fail in seconds before Ray starts."""
+    cfg = with_progress(with_default_name(cfg).with_resolved_paths())
     check_storage(cfg)
     check_data(cfg)
     check_resume_from(cfg)
@@ -183,20 +178,19 @@ def run_training(cfg: TrainConfig) -> int:
     cfg = preflight(cfg)
     done = finished_summary(cfg)
     if done is not None:
-        print(f"run {cfg.name!r} already finished {done['epochs_completed']} epochs "
-              f"(best test accuracy {done.get('best_test_acc', float('nan')):.4f}); results in "
-              f"{cfg.run_dir()}. Use a new --name, or more --epochs to continue it.")
+        best = done.get("best_test_acc")
+        print(f"run {cfg.name!r} already finished {done['epochs_completed']} epochs (best test "
+              f"accuracy {'-' if best is None else f'{best:.4f}'}); results in {cfg.run_dir()}. Use "
+              f"a new --name, or more --epochs to continue it.")
         return 0
     connect(cfg)
     cfg = resolve_workers(cfg)
     check_sizes(cfg, cfg.num_workers)
     os.makedirs(cfg.run_dir(), exist_ok=True)
-    stale = os.path.join(cfg.run_dir(), PREEMPT_FILE)
-    if os.path.exists(stale):
-        os.remove(stale)  # a requeued job must not stop at once
+    stop.clear(cfg.run_dir())
     write_json(os.path.join(cfg.run_dir(), CONFIG_JSON), cfg.to_dict())
     print("config:\n" + cfg.to_json(), flush=True)
-    request_stop_on_usr1(cfg)
+    stop.stop_on_usr1(cfg.run_dir())
     return fit_and_summarise(cfg, started)
 
 
@@ -212,6 +206,9 @@ def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
               f"above; --max-failures allows more restarts)", file=sys.stderr)
         return 1
     outcome = result.return_value or {}
+    if outcome.get("usage_error"):  # bad input that only the workers could see
+        print(f"error: {outcome['usage_error']}", file=sys.stderr)
+        return 2
     best = result.get_best_checkpoint("test_acc", "max") if result.best_checkpoints else None
     preempted = bool(outcome.get("preempted"))
     summary = write_summary(cfg, started, finished=not preempted,
@@ -222,35 +219,28 @@ def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
         print(f"stopped on request at epoch {outcome['epoch'] + 1} step {outcome['step']}; checkpoint "
               f"saved. Run the same command again to continue.")
         return EXIT_PREEMPTED
+    best_acc = summary["best_test_acc"]
     print(f"results: {cfg.run_dir()}\nbest checkpoint: {summary['best_checkpoint']} (test accuracy "
-          f"{summary['best_test_acc']:.4f})")
+          f"{'-' if best_acc is None else f'{best_acc:.4f}'})")
     return 0
 
 
 def write_summary(cfg: TrainConfig, started: float, finished: bool, **extra) -> dict:
-    rows = read_jsonl(os.path.join(cfg.run_dir(), METRICS_JSONL))
+    rows = read_metrics(os.path.join(cfg.run_dir(), METRICS_JSONL))
     events = read_jsonl(os.path.join(cfg.run_dir(), EVENTS_JSONL))
     first = [e["time"] for e in events if e["event"] == "first_step" and e["time"] >= started]
+    last = rows[-1] if rows else None
     summary = dict(name=cfg.name, run_dir=cfg.run_dir(), finished=finished,
-                   epochs_completed=rows[-1]["epoch"] if rows else 0, epochs=cfg.epochs,
-                   best_test_acc=max((r["test_acc"] for r in rows), default=float("nan")),
-                   final=rows[-1] if rows else None, wall_s=time.time() - started,
+                   epochs_completed=last.epoch if last else 0, epochs=cfg.epochs,
+                   best_test_acc=max((r.test_acc for r in rows), default=None),
+                   final=last.to_dict() if last else None, wall_s=time.time() - started,
                    time_to_first_step_s=(first[0] - started) if first else None,
                    # first training step to the last evaluation, as in time-to-accuracy benchmarks
-                   train_wall_s=(rows[-1]["time"] - first[0]) if first and rows else None,
+                   train_wall_s=(last.time - first[0]) if first and last else None,
                    num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, **extra)
     write_json(os.path.join(cfg.run_dir(), SUMMARY_JSON), summary)
     return summary
 
 
 def summary_table(cfg: TrainConfig) -> str:
-    rows = read_jsonl(os.path.join(cfg.run_dir(), METRICS_JSONL))
-    head = f"{'epoch':>5} {'train loss':>10} {'train acc':>9} {'test loss':>9} {'test acc':>8} " \
-           f"{'seconds':>8} {'img/s':>8} {'data s':>7} {'compute s':>9} {'lr':>8}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['epoch']:>5} {r['train_loss']:>10.4f} {r['train_acc']:>9.3f} "
-                     f"{r['test_loss']:>9.4f} {r['test_acc']:>8.3f} {r['epoch_s']:>8.1f} "
-                     f"{r['images_per_s']:>8.0f} {r['data_s']:>7.1f} {r['compute_s']:>9.1f} "
-                     f"{r['lr']:>8.4f}")
-    return "\n".join(lines)
+    return metrics.table(read_metrics(os.path.join(cfg.run_dir(), METRICS_JSONL)))

@@ -10,8 +10,8 @@ import logging
 import os
 import socket
 import statistics
-import time
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -22,16 +22,17 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .checkpoint import load_checkpoint, restore_training_state, save_checkpoint
-from .config import PREEMPT_FILE, TrainConfig
-from .data import DeviceAugment, build_dataset, load_splits
-from .engine import (EpochStats, evaluate, global_any, global_sums, measure_comm_wait, peak_rss_gib,
-                     train_epoch)
-from .model import build_model, gradient_bytes, to_device, unwrap
+from .config import Speed, TrainConfig, UsageError
+from .data import DeviceAugment, Split, build_dataset, load_splits
+from .engine import EpochStats, evaluate, global_sums, measure_comm_wait, peak_rss_gib, train_epoch
+from .metrics import EpochMetrics
+from .model import build_model, gradient_bytes, unwrap
 from .optim import build_optimizer, build_scheduler
-from .runlog import TOPOLOGY_JSON, RunLog, write_json
+from .progress import Progress
+from .runlog import TOPOLOGY_JSON, RunLog, finite, write_json
+from .stop import StopPoller
 
 log = logging.getLogger("ray_job")
-PREEMPT_CHECK_EVERY = 5  # steps between (collective) checks for a preemption request
 EVAL_BATCH = 1024
 
 
@@ -76,8 +77,9 @@ def find_resume_state(cfg: TrainConfig, world_size: int) -> Resume:
     return Resume(state["epoch"], state.get("step", 0) if same_world else 0, state)
 
 
-def make_loaders(cfg: TrainConfig, rank: int, world: int, use_cuda: bool):
-    train_split, test_split = load_splits(cfg)
+def make_loaders(cfg: TrainConfig, splits: tuple[Split, Split], rank: int, world: int,
+                 use_cuda: bool):
+    train_split, test_split = splits
     fast = cfg.loader != "torchvision"
     workers = cfg.loader_workers if cfg.loader_workers >= 0 else (0 if fast else 2)
     common = dict(num_workers=workers, pin_memory=use_cuda, persistent_workers=workers > 0)
@@ -90,7 +92,7 @@ def make_loaders(cfg: TrainConfig, rank: int, world: int, use_cuda: bool):
                       collate_fn=test_ds.collate_fn, **common)
     train = ray.train.torch.prepare_data_loader(train)
     test = ray.train.torch.prepare_data_loader(test, add_dist_sampler=False)
-    return train, test, len(train_split.classes)
+    return train, test
 
 
 def make_model(cfg: TrainConfig, num_classes: int, channels_last: bool):
@@ -108,20 +110,53 @@ def make_model(cfg: TrainConfig, num_classes: int, channels_last: bool):
     return model
 
 
-def log_topology(cfg: TrainConfig, run: Optional[RunLog], device: torch.device, backend: str) -> None:
+def first_error(error: Optional[str], world: int) -> Optional[str]:
+    """The first rank's bad-input error, known to every rank (so all of them stop together)."""
+    if world == 1:
+        return error
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, error)
+    return next((e for e in everyone if e), None)
+
+
+@dataclass
+class Run:
+    """What one worker trains with. `is_rank0` alone decides the side effects (files, logs)."""
+
+    cfg: TrainConfig
+    model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_loader: Any
+    test_loader: Any
+    device: torch.device
+    speed: Speed
+    world: int
+    steps_per_epoch: int
+    is_rank0: bool
+    files: Optional[RunLog]  # rank 0's writer of the run folder; None elsewhere
+
+    def state(self, epoch: int, step: int, metrics: Optional[EpochMetrics]) -> dict:
+        """Keyword arguments of save_checkpoint for this position."""
+        return dict(model=unwrap(self.model), optimizer=self.optimizer,
+                    config=self.cfg.to_dict(), world_size=self.world, epoch=epoch, step=step,
+                    metrics=metrics.to_dict() if metrics else {})
+
+
+def log_topology(run: Run, backend: str) -> None:
     ctx = ray.train.get_context()
     me = dict(rank=ctx.get_world_rank(), local_rank=ctx.get_local_rank(), node_rank=ctx.get_node_rank(),
               hostname=socket.gethostname(), node_ip=ray.util.get_node_ip_address(),
               node_id=ray.get_runtime_context().get_node_id(),
-              pid=os.getpid(), device=str(device))
+              pid=os.getpid(), device=str(run.device))
     logging.getLogger("ray_job.worker").warning(
         "worker rank %(rank)d: node %(node_rank)d (%(hostname)s %(node_ip)s) local rank "
         "%(local_rank)d device %(device)s pid %(pid)d", me)
     everyone = [me]
-    if ctx.get_world_size() > 1:
-        everyone = [None] * ctx.get_world_size()
+    if run.world > 1:
+        everyone = [None] * run.world
         dist.all_gather_object(everyone, me)
-    if run is None:
+    if not run.is_rank0:
         return
     nodes = sorted({w["node_id"] for w in everyone})  # Ray nodes, even when they share an IP
     master = f"{os.environ.get('MASTER_ADDR', everyone[0]['node_ip'])}:{os.environ.get('MASTER_PORT', '?')}"
@@ -129,38 +164,43 @@ def log_topology(cfg: TrainConfig, run: Optional[RunLog], device: torch.device, 
              len(nodes), backend, master)
     for w in everyone:
         log.info("  rank %(rank)d -> %(hostname)s (%(node_ip)s) local rank %(local_rank)d %(device)s", w)
-    write_json(run.path(TOPOLOGY_JSON), dict(world_size=len(everyone), num_nodes=len(nodes),
-                                             backend=backend, master=master, workers=everyone))
+    write_json(run.files.path(TOPOLOGY_JSON), dict(world_size=len(everyone), num_nodes=len(nodes),
+                                                   backend=backend, master=master, workers=everyone))
 
 
-def epoch_metrics(epoch: int, cfg: TrainConfig, train: EpochStats, test: EpochStats, lr: float,
-                  device: torch.device, world: int) -> dict:
-    """Global metrics of one epoch: counts are summed over all ranks; times are rank maxima."""
+def epoch_metrics(run: Run, epoch: int, train: EpochStats, test: EpochStats,
+                  comm_wait: Optional[float]) -> EpochMetrics:
+    """Global metrics of one epoch: counts are summed over all ranks; times are rank 0's."""
     loss, correct, count, tloss, tcorrect, tcount = global_sums(
-        [train.loss_sum, train.correct, train.count, test.loss_sum, test.correct, test.count], device)
-    m = dict(epoch=epoch + 1, epochs=cfg.epochs, train_loss=loss / max(count, 1),
-             train_acc=correct / max(count, 1), test_loss=tloss / max(tcount, 1),
-             test_acc=tcorrect / max(tcount, 1), test_images=int(tcount), train_images=int(count),
-             epoch_s=train.wall_s + test.wall_s, train_s=train.wall_s, eval_s=test.wall_s,
-             images_per_s=count / max(train.wall_s, 1e-9), data_s=train.data_s,
-             compute_s=train.wall_s - train.data_s, fwd_bwd_s=train.fwd_bwd_s,
-             optim_s=train.optim_s, steps=train.steps, lr=lr, world_size=world, time=time.time())
+        [train.loss_sum, train.correct, train.count, test.loss_sum, test.correct, test.count],
+        run.device)
     steady = train.step_times[min(len(train.step_times) - 1, 2):] if train.step_times else []
-    if steady:  # skip the first steps (allocation, autotuning); the median resists noisy neighbours
-        m["steady_images_per_s"] = cfg.global_batch(world) / statistics.median(steady)
-    if device.type == "cuda":
-        m["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    m["peak_host_mem_gib"] = peak_rss_gib()
-    return m
+    cuda = run.device.type == "cuda"
+    return EpochMetrics(
+        epoch=epoch + 1, epochs=run.cfg.epochs, train_loss=loss / max(count, 1),
+        train_acc=correct / max(count, 1), test_loss=tloss / max(tcount, 1),
+        test_acc=tcorrect / max(tcount, 1), test_images=int(tcount), train_images=int(count),
+        epoch_s=train.wall_s + test.wall_s, train_s=train.wall_s, eval_s=test.wall_s,
+        images_per_s=count / max(train.wall_s, 1e-9), data_s=train.data_s,
+        compute_s=train.wall_s - train.data_s, fwd_bwd_s=train.fwd_bwd_s, optim_s=train.optim_s,
+        steps=train.steps, lr=run.optimizer.param_groups[0]["lr"], world_size=run.world,
+        time=time.time(), peak_host_mem_gib=peak_rss_gib(),
+        grad_bytes=gradient_bytes(unwrap(run.model)),
+        # skip the first steps (allocation, autotuning); the median resists noisy neighbours
+        steady_images_per_s=(run.cfg.global_batch(run.world) / statistics.median(steady)
+                             if steady else None),
+        peak_gpu_mem_gib=torch.cuda.max_memory_allocated(run.device) / 2**30 if cuda else None,
+        comm_wait_s_per_step=comm_wait)
 
 
-def report(metrics: dict, run: Optional[RunLog], save_kwargs: Optional[dict]) -> None:
+def report(run: Run, metrics: dict, state: Optional[dict]) -> None:
     """Every rank calls report (it is a barrier); only rank 0 writes and passes a checkpoint."""
-    if run is None or save_kwargs is None:
+    metrics = finite(metrics)
+    if not run.is_rank0 or state is None:
         ray.train.report(metrics, checkpoint=None)
         return
     with tempfile.TemporaryDirectory() as d:
-        save_checkpoint(d, **save_kwargs)
+        save_checkpoint(d, **state)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
 
 
@@ -171,109 +211,101 @@ def train_loop_per_worker(config: dict) -> dict:
     setup_logging(rank)
     torch.manual_seed(cfg.seed + rank)
     torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
-    run = RunLog(cfg.run_dir()) if rank == 0 else None  # rank-0-only side effects go through `run`
+    # Bad input found here (data, checkpoint) is no fault a restart fixes: every rank learns of
+    # it before the first collective of DDP, and the run ends at once with the driver's error.
+    error, splits, resume = None, None, Resume()
+    try:
+        splits = load_splits(cfg)
+        resume = find_resume_state(cfg, world)
+    except UsageError as e:
+        error = str(e)
+    error = first_error(error, world)
+    if error:
+        return {"usage_error": error}
 
-    use_cuda = bool(cfg.use_gpu) and torch.cuda.is_available()
-    channels_last = cfg.channels_last == "on" or (cfg.channels_last == "auto" and use_cuda)
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and use_cuda)
-    if use_cuda:
+    speed = Speed.of(cfg, torch.cuda.is_available())
+    if speed.cuda:
         torch.backends.cudnn.benchmark = True
-    train_loader, test_loader, num_classes = make_loaders(cfg, rank, world, use_cuda)
-    model = make_model(cfg, num_classes, channels_last)
+    train_loader, test_loader = make_loaders(cfg, splits, rank, world, speed.cuda)
+    model = make_model(cfg, len(splits[0].classes), speed.channels_last)
     device = next(model.parameters()).device
-    backend = dist.get_backend() if dist.is_initialized() else "none (1 worker)"
-    log_topology(cfg, run, device, backend)
-
     steps_per_epoch = len(train_loader) if not cfg.steps_per_epoch else min(cfg.steps_per_epoch, len(train_loader))
     optimizer = build_optimizer(unwrap(model), cfg, world, device)
-    resume = find_resume_state(cfg, world)
     if resume.state is not None:  # the schedule is placed by position below, not by its state
-        restore_training_state(resume.state, model=model, optimizer=optimizer, scheduler=None,
-                               scaler=None)
+        restore_training_state(resume.state, model=model, optimizer=optimizer)
     for group in optimizer.param_groups:  # the peak LR of *this* world size, not the checkpoint's
         group["lr"] = group["initial_lr"] = cfg.scaled_lr(world)
     scheduler = build_scheduler(optimizer, cfg, steps_per_epoch,
                                 start_step=resume.epoch * steps_per_epoch + resume.step)
     if cfg.compile:
         model = torch.compile(model)
-    return fit_epochs(cfg, model, optimizer, scheduler, train_loader, test_loader, device, bf16,
-                      channels_last, resume, run, steps_per_epoch, world)
+    run = Run(cfg, model, optimizer, scheduler, train_loader, test_loader, device, speed, world,
+              steps_per_epoch, is_rank0=rank == 0, files=RunLog(cfg.run_dir()) if rank == 0 else None)
+    log_topology(run, dist.get_backend() if dist.is_initialized() else "none (1 worker)")
+    return fit_epochs(run, resume)
 
 
-def fit_epochs(cfg, model, optimizer, scheduler, train_loader, test_loader, device, bf16,
-               channels_last, resume: Resume, run: Optional[RunLog], steps_per_epoch: int,
-               world: int) -> dict:
-    fast = cfg.loader != "torchvision"
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    preprocess = DeviceAugment(device, channels_last) if fast else (
-        lambda x, train: x.contiguous(memory_format=memory_format))
+def announce(run: Run, resume: Resume) -> None:
+    cfg, fast = run.cfg, run.cfg.loader != "torchvision"
+    run.files.keep_epochs_up_to(resume.epoch)
+    if resume.state is not None:
+        run.files.event("resumed", epoch=resume.epoch, step=resume.step)
+    log.info("training %s/%s stem on %d worker(s): %d steps/epoch, global batch %d (%d per "
+             "worker, --batch-mode %s), peak lr %.4g, %s, %s loader", cfg.model, cfg.stem, run.world,
+             run.steps_per_epoch, cfg.global_batch(run.world), cfg.per_worker_batch(run.world),
+             cfg.batch_mode, cfg.scaled_lr(run.world), "bf16" if run.speed.bf16 else "fp32",
+             "fast" if fast else "torchvision")
+
+
+def fit_epochs(run: Run, resume: Resume) -> dict:
+    cfg = run.cfg
+    memory_format = torch.channels_last if run.speed.channels_last else torch.contiguous_format
+    preprocess = DeviceAugment(run.device, run.speed.channels_last) if cfg.loader != "torchvision" \
+        else (lambda x, train: x.contiguous(memory_format=memory_format))
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     eval_loss = torch.nn.CrossEntropyLoss()
-    if run is not None:
-        run.keep_epochs_up_to(resume.epoch)
-        if resume.state is not None:
-            run.event("resumed", epoch=resume.epoch, step=resume.step)
-        log.info("training %s/%s stem on %d worker(s): %d steps/epoch, global batch %d (%d per "
-                 "worker, --batch-mode %s), peak lr %.4g, %s, %s loader", cfg.model, cfg.stem, world,
-                 steps_per_epoch, cfg.global_batch(world), cfg.per_worker_batch(world), cfg.batch_mode,
-                 cfg.scaled_lr(world), "bf16" if bf16 else "fp32", "fast" if fast else "torchvision")
-    stop_file = os.path.join(cfg.run_dir(), PREEMPT_FILE)
-
-    def should_stop(step: int) -> bool:
-        if step % PREEMPT_CHECK_EVERY:
-            return False
-        return global_any(run is not None and os.path.exists(stop_file), device)
-
-    last: dict[str, Any] = {}
+    if run.is_rank0:
+        announce(run, resume)
+    should_stop = StopPoller(cfg.run_dir(), run.is_rank0, run.device)
+    last: Optional[EpochMetrics] = None
     comm_wait = None
     for epoch in range(resume.epoch, cfg.epochs):
-        if isinstance(getattr(train_loader, "sampler", None), DistributedSampler):
-            train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
+        if isinstance(getattr(run.train_loader, "sampler", None), DistributedSampler):
+            run.train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
         skip = resume.step if epoch == resume.epoch else 0
-        if run is not None:
-            run.event("epoch_start", epoch=epoch + 1, step=skip)
-        on_step = progress_logger(epoch, cfg, steps_per_epoch) if run is not None else None
-        stats = train_epoch(model, train_loader, optimizer, scheduler, loss_fn, preprocess, device,
-                            bf16=bf16, max_steps=steps_per_epoch, skip_steps=skip,
-                            sync_timing=cfg.sync_timing,
-                            on_step=on_step, should_stop=should_stop)
-        if run is not None and stats.first_step_time is not None and epoch == resume.epoch:
-            run.event("first_step", time=stats.first_step_time, epoch=epoch + 1)
-        state = dict(model=unwrap(model), optimizer=optimizer, scheduler=scheduler, scaler=None,
-                     config=cfg.to_dict(), world_size=world)
-        if stats.stopped_early:  # preemption requested: save where we are and stop
+        progress = None
+        if run.is_rank0:
+            run.files.event("epoch_start", epoch=epoch + 1, step=skip)
+            progress = Progress(cfg.progress, epoch, cfg.epochs, run.steps_per_epoch, skip,
+                                cfg.global_batch(run.world), cfg.log_every,
+                                eval_s=last.eval_s if last else None)
+        stats = train_epoch(run.model, run.train_loader, run.optimizer, run.scheduler, loss_fn,
+                            preprocess, run.device, bf16=run.speed.bf16,
+                            max_steps=run.steps_per_epoch, skip_steps=skip,
+                            sync_timing=cfg.sync_timing, should_stop=should_stop,
+                            on_step=progress.on_step if progress else None)
+        if progress:
+            progress.close()
+        if run.is_rank0 and stats.first_step_time is not None and epoch == resume.epoch:
+            run.files.event("first_step", time=stats.first_step_time, epoch=epoch + 1)
+        if stats.stopped_early:  # a stop was requested: save where we are and stop
             pos = skip + stats.steps
-            log.info("preemption requested: checkpoint at epoch %d step %d, stopping", epoch + 1, pos)
-            report(dict(epoch=epoch, step=pos, preempted=True, test_acc=-1.0), run,
-                   dict(state, epoch=epoch, step=pos, metrics=last))
+            log.info("stop requested: checkpoint at epoch %d step %d, stopping", epoch + 1, pos)
+            report(run, dict(epoch=epoch, step=pos, preempted=True, test_acc=-1.0),
+                   run.state(epoch, pos, last))
             return {"preempted": True, "epoch": epoch, "step": pos}
-        if comm_wait is None and world > 1 and cfg.steps_per_epoch:
-            comm_wait = measure_comm_wait(model, next(iter(train_loader)), loss_fn, preprocess, device, bf16)
-        test = evaluate(model, test_loader, eval_loss, preprocess, device, bf16)
-        last = epoch_metrics(epoch, cfg, stats, test, optimizer.param_groups[0]["lr"], device, world)
-        if comm_wait is not None:
-            last["comm_wait_s_per_step"] = comm_wait
-        last["grad_bytes"] = gradient_bytes(unwrap(model))
-        if run is not None:
-            run.epoch(last)
-            log.info(format_epoch(last))
-        report(last, run, dict(state, epoch=epoch + 1, step=0, metrics=last))
-    if run is not None:
-        run.close()
-    return {"preempted": False, "epoch": cfg.epochs, "metrics": last}
-
-
-def progress_logger(epoch: int, cfg: TrainConfig, steps: int):
-    def on_step(step: int, loss: torch.Tensor, data_s: float, compute_s: float) -> None:
-        if cfg.log_every and step % cfg.log_every == 0:
-            log.info("Epoch [%d/%d], Step [%d/%d], Loss: %.4f, data %.1f ms, train %.1f ms",
-                     epoch + 1, cfg.epochs, step, steps, loss.item(), data_s * 1e3, compute_s * 1e3)
-    return on_step
-
-
-def format_epoch(m: dict) -> str:
-    return (f"epoch {m['epoch']}/{m['epochs']}: train loss {m['train_loss']:.4f} acc "
-            f"{m['train_acc']:.3f} | test loss {m['test_loss']:.4f} acc {m['test_acc']:.3f} | "
-            f"{m['epoch_s']:.1f}s, {m['images_per_s']:.0f} img/s, data {m['data_s']:.1f}s vs compute "
-            f"{m['compute_s']:.1f}s | lr {m['lr']:.4g}")
-
+        if comm_wait is None and run.world > 1 and cfg.steps_per_epoch:
+            comm_wait = measure_comm_wait(run.model, next(iter(run.train_loader)), loss_fn,
+                                          preprocess, run.device, run.speed.bf16)
+        test = evaluate(run.model, run.test_loader, eval_loss, preprocess, run.device, run.speed.bf16)
+        last = epoch_metrics(run, epoch, stats, test, comm_wait)
+        if run.is_rank0:
+            run.files.epoch(last)
+            log.info(last.line())
+        report(run, last.to_dict(), run.state(epoch + 1, 0, last))
+        if should_stop.finish() and epoch + 1 < cfg.epochs:  # asked during the epoch's last steps
+            log.info("stop requested: checkpoint at the end of epoch %d, stopping", epoch + 1)
+            return {"preempted": True, "epoch": epoch + 1, "step": 0}
+    if run.is_rank0:
+        run.files.close()
+    return {"preempted": False, "epoch": cfg.epochs}

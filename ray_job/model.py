@@ -49,10 +49,6 @@ def gradient_bytes(model: nn.Module, bytes_per_element: int = 4) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad) * bytes_per_element
 
 
-def num_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def to_device(model: nn.Module, device: torch.device, channels_last: bool) -> nn.Module:
     model = model.to(device)
     return model.to(memory_format=torch.channels_last) if channels_last else model

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import secrets
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 
 import pytest
 
@@ -49,14 +57,6 @@ def ray_local():
 # only, and the cluster is stopped by the PID of `ray start --block` (never `ray stop`).
 # Token auth uses a fresh token file per head (mode 0600) via RAY_AUTH_MODE=token and
 # RAY_AUTH_TOKEN_PATH, for the head and for every client: ~/.ray/auth_token plays no part.
-import dataclasses
-import json
-import secrets
-import shutil
-import signal
-import tempfile
-import time
-import urllib.request
 
 RAY_CLI = os.path.join(os.path.dirname(sys.executable), "ray")
 HEAD_PORTS = 100  # 0-8 services (as slurm_ray_start.sh lays them out), 10-99 worker processes

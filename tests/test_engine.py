@@ -74,14 +74,13 @@ def test_checkpoint_round_trip_unwrapped_and_on_cpu(tmp_path):
     train_epoch(model, loader, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"), max_steps=2)
     wrapped = nn.Sequential()  # stands in for DDP's `.module` nesting
     wrapped.module = model
-    save_checkpoint(str(tmp_path), model=unwrap(wrapped), optimizer=opt, scheduler=sched, scaler=None,
+    save_checkpoint(str(tmp_path), model=unwrap(wrapped), optimizer=opt,
                     epoch=1, step=0, config=cfg.to_dict(), metrics={"test_acc": 0.5}, world_size=2)
     state = load_checkpoint(str(tmp_path))
     assert not any(k.startswith("module.") for k in state["model"])
     fresh = build_model("resnet18", "imagenet", 10)
     opt2 = build_optimizer(fresh, cfg, 1, torch.device("cpu"))
-    restore_training_state(state, model=fresh, optimizer=opt2, scheduler=build_scheduler(opt2, cfg, 8),
-                           scaler=None)
+    restore_training_state(state, model=fresh, optimizer=opt2)
     x = torch.randn(4, 3, 32, 32)
     torch.testing.assert_close(fresh.eval()(x), model.eval()(x))
     assert state["epoch"] == 1 and state["world_size"] == 2
@@ -93,6 +92,12 @@ def test_corrupt_or_missing_checkpoint_is_a_clear_error(tmp_path):
         load_checkpoint(str(tmp_path))
     with pytest.raises(CheckpointError, match="no checkpoint"):
         load_checkpoint(str(tmp_path / "nope"))
+
+
+def test_checkpoint_of_another_format_is_a_clear_error(tmp_path):
+    torch.save({"format_version": 99, "model": {}, "epoch": 1}, tmp_path / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="format 99"):
+        load_checkpoint(str(tmp_path))
 
 
 def test_comm_wait_is_zero_without_ddp():

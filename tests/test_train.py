@@ -6,15 +6,17 @@ import os
 import pytest
 import torch
 
-from conftest import tiny_args
 from ray_job.checkpoint import load_checkpoint
 from ray_job.cli import parse_train_args
-from ray_job.config import PREEMPT_FILE, UsageError
+from ray_job.config import UsageError
 from ray_job.data import ArrayDataset, DeviceAugment, make_synthetic
 from ray_job.engine import evaluate
 from ray_job.launch import run_training
 from ray_job.model import build_model
 from ray_job.runlog import read_jsonl
+from ray_job.stop import STOP_FILE
+
+from conftest import tiny_args
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -108,7 +110,7 @@ def test_preemption_request_checkpoints_mid_epoch_and_resumes(ray_local, tmp_pat
         deadline = time.time() + 300
         while time.time() < deadline and not (run_dir / "events.jsonl").exists():
             time.sleep(0.2)
-        (run_dir / PREEMPT_FILE).write_text("test")
+        (run_dir / STOP_FILE).write_text("test")
 
     t = threading.Thread(target=plant, daemon=True)
     t.start()
@@ -117,7 +119,8 @@ def test_preemption_request_checkpoints_mid_epoch_and_resumes(ray_local, tmp_pat
     assert rc == 3  # stopped on request
     state_dir = json.load(open(run_dir / "summary.json"))["latest_checkpoint"]
     state = load_checkpoint(state_dir)
-    assert state["epoch"] == 0 and state["step"] > 0 and not (run_dir / "summary.json").read_text().count('"finished": true')
+    assert state["epoch"] == 0 and state["step"] > 0
+    assert not json.load(open(run_dir / "summary.json"))["finished"]
     cfg, rc = _train(tmp_path, name, "--num-workers", "2", "--epochs", "2")
     assert rc == 0 and [r["epoch"] for r in _rows(cfg)] == [1, 2]
     resumed = [e for e in read_jsonl(str(run_dir / "events.jsonl")) if e["event"] == "resumed"]
