@@ -29,8 +29,9 @@ def prepare_data(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m ray_job prepare-data",
                                      description="Download CIFAR-10 (cifar-10-batches-py) into DIR.")
     parser.add_argument("--data-dir", default="./data", help="target folder (default: ./data)")
-    ensure_cifar10(parser.parse_args(argv).data_dir, download=True)
-    print(f"CIFAR-10 is ready under {parser.parse_args(argv).data_dir}")
+    data_dir = parser.parse_args(argv).data_dir
+    ensure_cifar10(data_dir, download=True)
+    print(f"CIFAR-10 is ready under {data_dir}")
     return 0
 
 

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from ray_job.cli import parse_train_args
@@ -46,3 +48,71 @@ def test_batch_modes_and_lr_scaling():
 def test_config_round_trips_through_a_dict():
     cfg = TrainConfig(model="resnet34", use_gpu=True, name="x")
     assert TrainConfig(**cfg.to_dict()) == cfg
+
+
+def test_paths_are_resolved_once_against_the_users_folder(tmp_path, monkeypatch):
+    from ray_job.config import resolve_path
+
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig(storage_path="results", data_dir="./data", resume_from="../x/checkpoint_1",
+                      name="n").with_resolved_paths()
+    assert cfg.storage_path == str(tmp_path / "results")
+    assert cfg.data_dir == str(tmp_path / "data")
+    assert cfg.resume_from == str(tmp_path.parent / "x" / "checkpoint_1")
+    assert cfg.run_dir() == str(tmp_path / "results" / "n")
+    assert resolve_path("~/r") == os.path.join(os.path.expanduser("~"), "r")
+    assert resolve_path("s3://bucket/runs") == "s3://bucket/runs"  # URIs are not local paths
+    assert resolve_path("") == ""  # no --resume-from stays none
+    assert TrainConfig(storage_path="s3://b/p", name="n").run_dir() == "s3://b/p/n"
+
+
+def test_strict_json_writes_null_for_nan_and_refuses_to_read_nan(tmp_path):
+    import math
+
+    from ray_job.runlog import read_json, write_json
+
+    path = str(tmp_path / "s.json")
+    write_json(path, {"best": math.nan, "rows": [math.inf, 1.5], "nested": {"x": -math.inf}})
+    assert read_json(path) == {"best": None, "rows": [None, 1.5], "nested": {"x": None}}
+    (tmp_path / "bad.json").write_text('{"best": NaN}')
+    with pytest.raises(ValueError, match="not strict JSON"):
+        read_json(str(tmp_path / "bad.json"))
+
+
+def test_speed_and_gpu_choices_have_one_home():
+    from ray_job.config import Speed, choose_use_gpu
+
+    assert Speed.choose("auto", "auto", use_gpu=True, cuda_available=True) == Speed(True, True, True)
+    assert Speed.choose("auto", "auto", use_gpu=True, cuda_available=False) == Speed(False, False, False)
+    assert Speed.choose("bf16", "on", use_gpu=False, cuda_available=True) == Speed(False, True, True)
+    assert choose_use_gpu(None, 4) is True and choose_use_gpu(None, 0) is False
+    assert choose_use_gpu(False, 4) is False
+    with pytest.raises(UsageError, match="no GPUs"):
+        choose_use_gpu(True, 0)
+
+
+def test_progress_lines_every_n_steps_with_speed_and_eta(caplog):
+    import logging
+
+    import torch
+
+    from ray_job.progress import Progress, hms
+
+    logger = logging.getLogger("ray_job")
+    logger.propagate, logger.level = True, logging.INFO
+    p = Progress("lines", epoch=0, epochs=3, steps=10, start_step=0, global_batch=64, log_every=4,
+                 every_s=3600)
+    with caplog.at_level(logging.INFO, logger="ray_job"):
+        for step in range(1, 11):
+            p.on_step(step, torch.tensor(2.0 - step / 10), 0.001, 0.01)
+    lines = [r.getMessage() for r in caplog.records if "Step [" in r.getMessage()]
+    assert [line.split("Step [")[1].split("]")[0] for line in lines] == ["1/10", "4/10", "8/10", "10/10"]
+    assert all("Epoch [1/3]" in line and "img/s" in line and "ETA epoch" in line and ", run " in line
+               for line in lines)
+    assert "Loss: 1.9000" in lines[0] and "data 1.0 ms, train 10.0 ms" in lines[0]
+    assert hms(3725) == "1:02:05" and hms(65) == "1:05"
+    quiet = Progress("lines", 0, 1, 10, 0, 64, log_every=0)
+    with caplog.at_level(logging.INFO, logger="ray_job"):
+        caplog.clear()
+        quiet.on_step(1, torch.tensor(1.0), 0.0, 0.0)
+    assert not caplog.records  # --log-every 0: epoch lines only

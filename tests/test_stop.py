@@ -1,0 +1,72 @@
+"""The stop request (ray_job/stop.py): every rank stops at the same step, a few steps after the
+request, and the all-reduce that carries it is read later than it is started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ray_job import stop
+from ray_job.ports import free_port
+
+
+def _ranks(rank: int, world: int, port: int, run_dir: str, request_at: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    poller = stop.StopPoller(run_dir, is_rank0=rank == 0, device=torch.device("cpu"), every=5, lag=2)
+    stopped_at = None
+    for step in range(1, 41):
+        if rank == 0 and step == request_at:
+            stop.request(run_dir)
+        if poller(step):
+            stopped_at = step
+            break
+        dist.barrier()  # stands in for the step's own collectives (DDP's all-reduce)
+    out.put((rank, stopped_at, poller.finish()))
+    dist.destroy_process_group()
+
+
+def test_every_rank_stops_at_the_same_step_soon_after_the_request(tmp_path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_ranks, args=(r, 2, port, str(tmp_path), 12, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    # requested before step 12's look: polls start at 15 and are read 2 steps later, at 17
+    assert [r[1] for r in results] == [17, 17]
+    assert not any(r[2] for r in results)  # nothing left in flight
+
+
+def test_single_process_poll_and_clear(tmp_path):
+    poller = stop.StopPoller(str(tmp_path), is_rank0=True, device=torch.device("cpu"), every=5)
+    assert not any(poller(s) for s in range(1, 11))
+    stop.request(str(tmp_path))
+    assert [s for s in range(11, 21) if poller(s)] == [15, 20]
+    stop.clear(str(tmp_path))
+    stop.clear(str(tmp_path))  # clearing twice is fine (a requeued job with no request left)
+    assert not stop.requested(str(tmp_path))
+
+
+def test_usr1_writes_the_request_and_forward_passes_it_on(tmp_path):
+    sweep, point = tmp_path / "sweep", tmp_path / "sweep" / "w2"
+    point.mkdir(parents=True)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        stop.stop_on_usr1(str(sweep))
+        with stop.forward(str(sweep), str(point), every_s=0.05):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            deadline = time.time() + 10
+            while not stop.requested(str(point)) and time.time() < deadline:
+                time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert stop.requested(str(sweep)) and stop.requested(str(point))

@@ -1,0 +1,168 @@
+"""The CLI as a user runs it: from their own folder, with relative paths, reading what it prints.
+
+Each test starts `python -m ray_job train` as a subprocess in a folder that is not the repository,
+with relative --storage-path / --data-dir / --resume-from, and checks what a person would look at:
+the printed progress and final table, and the files in ./results/<name>/ that the README lists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ray_job.data import make_synthetic, write_cifar10
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.timeout(900)
+
+MODEL = ["--model", "resnet18", "--stem", "imagenet", "--batch-size", "64"]
+README_FILES = ("metrics.jsonl", "metrics.csv", "events.jsonl", "topology.json", "config.json",
+                "summary.json", "tensorboard")
+
+
+def user_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env["PYTHONPATH"] = ROOT  # as if installed (`pip install -e .`): the repo is not the cwd
+    return env
+
+
+def train(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ray_job", "train", *args], cwd=cwd, env=user_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def strict(text: str):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def strict_file(path: Path):
+    if path.suffix == ".jsonl":
+        return [strict(line) for line in path.read_text().splitlines() if line.strip()]
+    return strict(path.read_text())
+
+
+@pytest.fixture
+def user_dir(tmp_path):
+    """A user's own folder holding a small CIFAR-10 in torchvision's format under ./data."""
+    home = tmp_path / "me"
+    home.mkdir()
+    write_cifar10(str(home / "data"), make_synthetic(512, 0, True), make_synthetic(128, 0, False))
+    return home
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("epoch train loss"))
+    rows = []
+    for line in lines[start + 2:]:
+        cells = line.split()
+        if not cells or not cells[0].isdigit():
+            break
+        rows.append(cells)
+    return rows
+
+
+def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_dir):
+    data = ["--data", "cifar10", "--data-dir", "data", "--no-download", "--storage-path", "results",
+            *MODEL]
+    args = [*data, "--name", "seat", "--num-workers", "2", "--epochs", "1"]
+    proc = train(user_dir, *args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+
+    # what the person reads: progress after the first step with speed and ETA, a filled table
+    progress = [line for line in out.splitlines() if "Step [" in line]
+    assert any("Step [1/8]" in line for line in progress), out[-3000:]
+    assert all("img/s" in line and "ETA epoch" in line and "data" in line for line in progress)
+    rows = table_rows(proc.stdout)
+    assert len(rows) == 1 and float(rows[0][4]) > 0.2, proc.stdout[-2000:]  # test acc > chance
+    run_dir = user_dir / "results" / "seat"
+    assert f"results: {run_dir}" in proc.stdout
+    assert "(test accuracy 0." in proc.stdout
+
+    # every file the README lists is in ./results/<name>/, and every JSON parses strictly
+    for name in README_FILES:
+        assert (run_dir / name).exists(), sorted(os.listdir(run_dir))
+    assert list(run_dir.glob("checkpoint_*"))
+    for path in [*run_dir.glob("*.json"), *run_dir.glob("*.jsonl")]:
+        strict_file(path)
+    config = strict_file(run_dir / "config.json")
+    assert config["storage_path"] == str(user_dir / "results")
+    assert config["data_dir"] == str(user_dir / "data")
+    summary = strict_file(run_dir / "summary.json")
+    assert summary["finished"] and summary["epochs_completed"] == 1
+    assert summary["best_test_acc"] == pytest.approx(float(rows[0][4]), abs=1e-3)
+
+    # the same command again: finished, says so, starts no Ray, trains nothing
+    again = train(user_dir, *args, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "already finished 1 epochs" in again.stdout
+    assert "config:" not in again.stdout
+    assert len(strict_file(run_dir / "metrics.jsonl")) == 1
+
+    # a new run from one of its checkpoints, named by a relative path
+    ckpt = os.path.relpath(summary["latest_checkpoint"], user_dir)
+    assert not os.path.isabs(ckpt)
+    other = train(user_dir, *data, "--name", "seat2", "--num-workers", "1", "--epochs", "2",
+                  "--resume-from", ckpt)
+    assert other.returncode == 0, (other.stdout + other.stderr)[-3000:]
+    assert [r["epoch"] for r in strict_file(user_dir / "results" / "seat2" / "metrics.jsonl")] == [2]
+    assert strict_file(user_dir / "results" / "seat2" / "config.json")["resume_from"] == \
+        str(user_dir / ckpt)
+
+
+def test_stop_request_in_the_users_folder_then_the_same_command_continues(user_dir):
+    args = ["--data", "synthetic", "--synthetic-train-size", "2048", "--synthetic-test-size", "128",
+            "--storage-path", "results", "--name", "stopme", "--num-workers", "2", "--epochs", "1",
+            *MODEL]
+    run_dir = user_dir / "results" / "stopme"
+    proc = subprocess.Popen([sys.executable, "-m", "ray_job", "train", *args], cwd=user_dir,
+                            env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and not (run_dir / "events.jsonl").exists():
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        (run_dir / ".preempt").write_text("asked by hand, as the README says")  # relative to me
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, out[-3000:]
+    assert "Run the same command again to continue" in out
+    assert not (run_dir / "metrics.jsonl").exists() or not strict_file(run_dir / "metrics.jsonl")
+    summary = strict_file(run_dir / "summary.json")
+    assert not summary["finished"] and summary["latest_checkpoint"]
+
+    again = train(user_dir, *args)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    resumed = [e for e in strict_file(run_dir / "events.jsonl") if e["event"] == "resumed"]
+    assert resumed and resumed[0]["epoch"] == 0 and 0 < resumed[0]["step"] < 32
+    assert [r["epoch"] for r in strict_file(run_dir / "metrics.jsonl")] == [1]
+    assert not (run_dir / ".preempt").exists()
+
+
+def test_bad_data_only_the_workers_read_ends_the_run_at_once(user_dir):
+    """The driver checks the small test file; a corrupt train file is found by every worker.
+    That is bad input, not a fault: one line, exit 2, no worker-group restarts."""
+    (user_dir / "data" / "cifar-10-batches-py" / "data_batch_3").write_bytes(b"not a pickle")
+    start = time.time()
+    proc = train(user_dir, "--data", "cifar10", "--data-dir", "data", "--no-download",
+                 "--storage-path", "results", "--name", "bad", "--num-workers", "2",
+                 "--max-failures", "3", "--epochs", "1", *MODEL)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "data_batch_3" in errors[0] and "HINT" in errors[0], proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr.split("error:")[-1]
+    assert out.count("Attempting to start training worker group") == 1, out[-3000:]  # no restart
+    print(f"bad data found by the workers: exit 2 after {time.time() - start:.1f} s")
