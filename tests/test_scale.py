@@ -1,9 +1,13 @@
-"""The scaling sweep on a real local Ray cluster (1 and 2 CPU workers, gloo, tiny model), and the
-communication model on paper."""
+"""The scaling sweep on a real local Ray cluster (1 and 2 CPU workers, gloo, tiny model); its stop
+request, report and strict JSON without Ray; --predict in a fresh interpreter that must not import
+Ray; the package's import layers; and the communication model on paper."""
 
+import ast
 import csv
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,11 +15,12 @@ import time
 import pytest
 
 from conftest import ROOT, TINY
-from ray_job import commmodel
-from ray_job.commmodel import Link, StepProfile, predict, ring_allreduce_s
-from ray_job.config import PREEMPT_FILE, UsageError
+from ray_job import stop
+from ray_job.config import UsageError
 from ray_job.model import build_model, gradient_bytes
-from ray_job.scale import COLUMNS, forward_preempt, main, measure_all, parse_args
+from ray_job.scale import COLUMNS, commmodel, main, measure_all, parse_args
+from ray_job.scale.commmodel import Link, StepProfile, predict, ring_allreduce_s
+from ray_job.scale.report import write_outputs
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,7 +39,7 @@ def test_sweep_strong_and_weak_on_one_and_two_workers(ray_local, tmp_path, capsy
     assert main(argv) == 0
     printed = capsys.readouterr().out
 
-    sweep = json.loads((out / "scaling.json").read_text())
+    sweep = strict_json((out / "scaling.json").read_text())
     rows = sweep["rows"]
     assert [(r["mode"], r["workers"], r["status"]) for r in rows] == [
         ("strong", 1, "ok"), ("strong", 2, "ok"), ("strong", 4, "skipped"),
@@ -73,10 +78,12 @@ def test_sweep_strong_and_weak_on_one_and_two_workers(ray_local, tmp_path, capsy
             assert f"| {mode} | {n} | " in table
         assert f"| {mode} | 4 | skipped |" in table
     assert "cannot fit" in table and table.strip() in printed
+    assert sorted(sweep["columns"]) == sorted(COLUMNS)  # every column explained
+    _assert_every_json_is_strict(out)
 
     # The same command again (a requeued SLURM job): finished points are reused, nothing retrains.
     assert main(argv) == 0
-    again = json.loads((out / "scaling.json").read_text())["rows"]
+    again = strict_json((out / "scaling.json").read_text())["rows"]
     assert [r["reason"].startswith("reused") for r in again if r["status"] == "ok"] == [True] * 4
     assert [r["step_s"] for r in again] == [r["step_s"] for r in rows]
     assert main([*argv, "--mode", "weak", "--workers", "1"]) == 0  # w1 serves either mode
@@ -91,6 +98,40 @@ def test_sweep_strong_and_weak_on_one_and_two_workers(ray_local, tmp_path, capsy
     assert "1-worker run w1" in projected and "10gbe" in projected
     assert [l.split()[:2] for l in projected.splitlines() if l.strip().startswith(("strong", "weak"))] \
         == [["strong", "1"], ["strong", "2"], ["strong", "8"], ["weak", "1"], ["weak", "2"], ["weak", "8"]]
+
+
+def _reject_constant(name):
+    raise AssertionError(f"not strict JSON: {name}")
+
+
+def strict_json(text):
+    """json.loads that refuses NaN and Infinity, as any JSON parser other than Python's does."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+# Ray Train's own bookkeeping in a run folder: not ours to write, so not checked.
+RAY_TRAIN_FILES = {"checkpoint_manager_snapshot.json"}
+
+
+def _assert_every_json_is_strict(sweep_dir):
+    """Every .json and every line of every .jsonl in the sweep folder and its point folders."""
+    checked = set()
+    for folder, _, files in os.walk(sweep_dir):
+        for name in set(files) - RAY_TRAIN_FILES:
+            path = os.path.join(folder, name)
+            if name.endswith(".json"):
+                strict_json(open(path).read())
+            elif name.endswith(".jsonl"):
+                for line in open(path):
+                    if line.strip():
+                        strict_json(line)
+            else:
+                continue
+            checked.add(os.path.relpath(path, sweep_dir))
+    for run in ("w1", "strong_w2", "weak_w2"):
+        assert {f"{run}/config.json", f"{run}/summary.json", f"{run}/metrics.jsonl",
+                f"{run}/events.jsonl"} <= checked
+    assert "scaling.json" in checked
 
 
 def _assert_csv_matches_json(path, rows):
@@ -120,15 +161,15 @@ def _assert_valid_png(path):
     assert width > 800 and height > 300
 
 
-def test_preemption_request_stops_the_sweep_between_and_during_points(tmp_path):
+def test_stop_request_stops_the_sweep_between_and_during_points(tmp_path):
     sweep_dir, point_dir = tmp_path / "sweep", tmp_path / "sweep" / "strong_w2"
     point_dir.mkdir(parents=True)
-    (sweep_dir / PREEMPT_FILE).write_text("1")
-    with forward_preempt(str(sweep_dir), str(point_dir)):  # the running point is told too
+    stop.request(str(sweep_dir))
+    with stop.forward(str(sweep_dir), str(point_dir)):  # the running point is told too
         deadline = time.time() + 10
-        while not (point_dir / PREEMPT_FILE).exists() and time.time() < deadline:
+        while not stop.requested(str(point_dir)) and time.time() < deadline:
             time.sleep(0.1)
-    assert (point_dir / PREEMPT_FILE).exists()
+    assert stop.requested(str(point_dir))
     _, cfg, _ = parse_args([*SWEEP, "--storage-path", str(tmp_path), "--name", "sweep"])
     rows = measure_all(cfg, str(sweep_dir), ["strong", "weak"], [1, 2])
     assert [(r["mode"], r["workers"], r["status"]) for r in rows] == [
@@ -136,14 +177,120 @@ def test_preemption_request_stops_the_sweep_between_and_during_points(tmp_path):
         ("weak", 2, "not run")]
 
 
+@pytest.mark.parametrize("train_takes_sigusr1", [False, True])
+def test_sigusr1_to_the_driver_stops_the_sweep(tmp_path, monkeypatch, capsys, train_takes_sigusr1):
+    """SLURM's pre-timeout signal, sent to the sweep's driver during the first point: that point
+    checkpoints and stops, the others are not run, the report is still written, the exit code says
+    "requeue me". `train` installs its own SIGUSR1 handler for its run (True) or not (False).
+
+    Ray is not needed: `train` is replaced by a stand-in that waits for its stop request."""
+    from ray_job.scale import sweep
+
+    points = []
+
+    def fake_training(point):
+        points.append(point)
+        os.makedirs(point.run_dir(), exist_ok=True)
+        if train_takes_sigusr1:
+            stop.stop_on_usr1(point.run_dir())  # as launch.run_training does
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.time() + 10
+        while not stop.requested(point.run_dir()) and time.time() < deadline:
+            time.sleep(0.05)
+        return sweep.EXIT_PREEMPTED if stop.requested(point.run_dir()) else 0
+
+    monkeypatch.setattr(sweep, "connect", lambda cfg: None)
+    monkeypatch.setattr(sweep, "cluster_info", lambda: dict(nodes=1, cpus=2, gpus=0))
+    monkeypatch.setattr(sweep, "run_training", fake_training)
+    monkeypatch.chdir(tmp_path)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        (tmp_path / "results" / "s").mkdir(parents=True)
+        stop.request(str(tmp_path / "results" / "s"))  # left by the previous job: cleared at start
+        rc = main(["--workers", "1,2", *TINY, "--storage-path", "results", "--name", "s"])
+        # Between and after the points, SIGUSR1 is the sweep's again, even where `train` took it.
+        for d in (tmp_path / "results" / "s", tmp_path / "results" / "s" / "w1"):
+            stop.clear(str(d))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested(str(tmp_path / "results" / "s"))
+        assert not stop.requested(str(tmp_path / "results" / "s" / "w1"))
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    capsys.readouterr()
+    assert rc == sweep.EXIT_PREEMPTED and len(points) == 1
+    # Paths resolved once against the user's directory, the GPU decided once, before any point.
+    assert points[0].storage_path == str(tmp_path / "results" / "s")
+    assert points[0].data_dir == str(tmp_path / "data") and points[0].use_gpu is False
+    saved = strict_json((tmp_path / "results" / "s" / "scaling.json").read_text())
+    assert [(r["mode"], r["workers"], r["status"]) for r in saved["rows"]] == [
+        ("strong", 1, "preempted"), ("strong", 2, "not run"), ("weak", 1, "preempted"),
+        ("weak", 2, "not run")]
+    assert saved["model"]["profile"] is None and saved["sweep_dir"] == str(tmp_path / "results" / "s")
+    _assert_valid_png(tmp_path / "results" / "s" / "scaling.png")
+
+
+def test_report_writes_strict_json_and_shows_missing_values_as_empty(tmp_path):
+    """A NaN (or None) among the measurements is null in scaling.json, an empty cell in the CSV
+    and the Markdown table, and no point in the plot."""
+    blank = dict.fromkeys(COLUMNS)
+    base = {**blank, "mode": "strong", "workers": 1, "status": "ok", "reason": "", "run": "w1",
+            "global_batch": 64, "per_worker_batch": 64, "steps": 6, "wall_s": 12.0,
+            "time_to_first_step_s": math.nan, "train_s": 3.0, "images_per_s": 128.0,
+            "steady_images_per_s": 130.0, "step_s": 64 / 130, "data_s_per_step": 0.01,
+            "compute_s_per_step": 0.4, "comm_wait_s_per_step": 0.0, "optim_s_per_step": 0.02,
+            "speedup": 1.0, "efficiency": 1.0, "grad_bytes": 1000, "pred_step_s": 64 / 130,
+            "pred_efficiency": 1.0, "pred_step_error_pct": 0.0}
+    no_base = {**base, "mode": "weak", "workers": 2, "run": "weak_w2", "speedup": None,
+               "efficiency": math.nan, "comm_wait_s_per_step": None, "pred_step_s": None,
+               "pred_efficiency": None, "pred_step_error_pct": None}
+    skipped = {**blank, "mode": "strong", "workers": 4, "status": "skipped", "run": "strong_w4",
+               "reason": "--num-workers 4 cannot fit"}
+    sweep = dict(sweep="s", sweep_dir=str(tmp_path), date="today", host="here", command="scale",
+                 cluster=dict(nodes=1, cpus=2.0, gpus=0.0, driver_host_load_1min=[math.nan, 0.5]),
+                 config={}, rows=[base, skipped, no_base],
+                 model=dict(link=vars(commmodel.make_link("loopback")), overlap=False, profile=None))
+    table = write_outputs(sweep)
+
+    saved = strict_json((tmp_path / "scaling.json").read_text())
+    assert saved["rows"][0]["time_to_first_step_s"] is None and saved["rows"][2]["efficiency"] is None
+    assert saved["cluster"]["driver_host_load_1min"] == [None, 0.5]
+    assert sorted(saved["columns"]) == sorted(COLUMNS) and all(saved["columns"].values())
+    _assert_csv_matches_json(tmp_path / "scaling.csv", saved["rows"])
+    assert "| strong | 1 | 64 | 6 | 3.0 | 12.0 |  | 130 | 492.3 |" in table  # no 1st step time
+    assert "| weak | 2 | 64 | 6 | 3.0 | 12.0 |  | 130 | 492.3 | 10.0 | 400.0 |  | 20.0 |" \
+           "  |  |  |  |  |  |" in table
+    assert "| strong | 4 | skipped |" in table and "load ? at start, 0.5 at end" in table
+    assert (tmp_path / "scaling.md").read_text() == table + "\n"
+    _assert_valid_png(tmp_path / "scaling.png")
+
+
 # --- the command line --------------------------------------------------------------------------
 
+# Run in a fresh interpreter: every import of Ray, and of the parts that start it, is recorded.
+NO_RAY = """
+import sys
+FORBIDDEN = ("ray_job.launch", "ray_job.loop", "ray_job.scale.sweep")
+def forbidden(name):
+    return name == "ray" or name.startswith("ray.") or name in FORBIDDEN
+class Watch:
+    tried = []
+    def find_spec(self, name, path=None, target=None):
+        if forbidden(name):
+            self.tried.append(name)
+        return None
+sys.meta_path.insert(0, Watch())
+from ray_job.__main__ import main
+rc = main(["scale", *sys.argv[1:]])
+loaded = [m for m in sys.modules if forbidden(m)]
+assert not Watch.tried and not loaded, f"--predict imported {Watch.tried or loaded}"
+sys.exit(rc)
+"""
+
+
 def test_predict_runs_on_paper_without_ray():
-    code = ("import sys; from ray_job.scale import main; "
-            "rc = main(['--predict', '--workers', '8,16,32,64', '--link', 'ib']); "
-            "assert 'ray' not in sys.modules, 'imported ray'; sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    """`python -m ray_job scale --predict` neither imports Ray nor tries to."""
+    proc = subprocess.run([sys.executable, "-c", NO_RAY, "--predict", "--workers", "8,16,32,64",
+                           "--link", "ib"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [l.split() for l in proc.stdout.splitlines() if l.strip().startswith(("strong", "weak"))]
     assert [(l[0], int(l[1])) for l in lines] == [(m, n) for m in ("strong", "weak")
@@ -153,10 +300,57 @@ def test_predict_runs_on_paper_without_ray():
         assert float(l[5]) <= float(l[4]) and float(l[7]) >= float(l[6])
 
 
+def test_predict_from_a_saved_sweep_without_ray(tmp_path):
+    """--from a scaling.json: the single-worker step and gradient bytes come from the sweep."""
+    profile = StepProfile(batch=64, data_s=0.001, fwd_bwd_s=0.1, optim_s=0.01, grad_bytes=2_000_000,
+                          source="1-worker run w1: steady step 111.0 ms at batch 64")
+    (tmp_path / "scaling.json").write_text(json.dumps(
+        dict(config=dict(batch_size=64, grad_compression="none"), model=dict(profile=profile.to_dict()))))
+    proc = subprocess.run([sys.executable, "-c", NO_RAY, "--predict", "--from", str(tmp_path),
+                           "--workers", "2", "--link", "10gbe", "--mode", "weak"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "1-worker run w1" in proc.stdout and "2.0 MB (the sweep's model, fp32)" in proc.stdout
+    weak2 = next(l.split() for l in proc.stdout.splitlines() if l.split()[:2] == ["weak", "2"])
+    expected = predict(profile, commmodel.make_link("10gbe"), 2, "weak", 64, overlap=False)
+    assert float(weak2[4]) == pytest.approx(expected.step_s * 1e3, abs=0.01)
+
+
+# Each part imports only the parts below it; the parts --predict uses import no Ray at all.
+LAYERS = ["commmodel", "common", "report", "predict", "sweep"]
+RAY_FREE = ["commmodel", "common", "report", "predict"]
+
+
+def _imports(part):
+    path = os.path.join(ROOT, "ray_job", "scale", f"{part}.py")
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ["ray_job", "scale"][:3 - node.level] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names |= {f"{module}.{a.name}" for a in node.names} | {module}
+    return names
+
+
+def test_parts_import_only_parts_below_them():
+    for i, part in enumerate(LAYERS):
+        inside = {n.split(".")[2] for n in _imports(part) if n.startswith("ray_job.scale.")}
+        assert inside <= set(LAYERS[:i]), (part, inside - set(LAYERS[:i]))
+    for part in RAY_FREE:
+        bad = {n for n in _imports(part) if n.split(".")[0] == "ray" or
+               n.startswith(("ray_job.launch", "ray_job.loop"))}
+        assert not bad, (part, bad)
+    assert not os.path.exists(os.path.join(ROOT, "ray_job", "commmodel.py"))
+    assert not os.path.exists(os.path.join(ROOT, "ray_job", "scale.py"))
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--workers", "0,2"], "positive"),
     (["--workers", "one"], "comma-separated"),
     (["--step-ms", "10"], "add --predict"),
+    (["--from", "/nonexistent/scaling.json"], "add --predict"),
     (["--predict", "--link", "carrier-pigeon"], "unknown link"),
     (["--predict", "--link", "custom", "--bandwidth-gbps", "5"], "--latency-us"),
     (["--predict", "--model", "resnet18"], "--step-ms"),
@@ -170,7 +364,7 @@ def test_bad_scale_flags_are_usage_errors(argv, words):
 def test_scale_defaults_and_passthrough_flags():
     ns, cfg, _ = parse_args(["--address", "10.0.0.1:6379", "--batch-size", "256", "--workers", "4,1,2"])
     assert cfg.address == "10.0.0.1:6379" and cfg.batch_size == 256  # as the SLURM script passes it
-    assert ns.workers == [1, 2, 4] and ns.mode == "both"
+    assert ns.workers == (1, 2, 4) and ns.counts == [1, 2, 4] and ns.modes == ["strong", "weak"]
     assert (cfg.epochs, cfg.steps_per_epoch, cfg.sync_timing) == (1, 50, True)  # fixed work
     assert cfg.name.startswith("scale_")
     _, cfg, _ = parse_args(["--recipe", "fast", "--steps-per-epoch", "7"])

@@ -1,0 +1,140 @@
+"""A sweep's report: scaling.json (strict JSON), scaling.csv, scaling.md and scaling.png.
+
+Everything here reads the sweep record as it is written to scaling.json, so a measured value may be
+None (not measured, or a NaN made null by strict JSON): each output prints it as an empty cell or
+leaves it out of the plot.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from typing import Any, Optional
+
+from ..runlog import write_json
+from .common import COLUMN_HELP, COLUMNS, SCALING_CSV, SCALING_JSON, SCALING_MD, SCALING_PNG
+
+
+def write_outputs(sweep: dict) -> str:
+    """Writes the four files into sweep["sweep_dir"]; returns the Markdown table."""
+    d = sweep["sweep_dir"]
+    write_json(os.path.join(d, SCALING_JSON), {**sweep, "columns": COLUMN_HELP})
+    with open(os.path.join(d, SCALING_CSV), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: "" if _missing(r.get(k)) else r[k] for k in COLUMNS} for r in sweep["rows"])
+    table = markdown(sweep)
+    with open(os.path.join(d, SCALING_MD), "w") as f:
+        f.write(table + "\n")
+    plot(sweep, os.path.join(d, SCALING_PNG))
+    return table
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _fmt(value: Optional[float], spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "" if _missing(value) else format(value * scale, spec) + suffix
+
+
+def _ms(value: Optional[float]) -> str:
+    return _fmt(value, ".1f", 1e3)
+
+
+def load_text(cluster: dict) -> str:
+    load = cluster.get("driver_host_load_1min") or [None, None]
+    return f"{_fmt(load[0], '.1f') or '?'} at start, {_fmt(load[1], '.1f') or '?'} at end"
+
+
+HEAD = ["mode", "N", "global batch", "steps", "train s", "wall s", "1st step s", "img/s", "step ms",
+        "data ms", "compute ms", "comm wait ms", "optim ms", "speedup", "efficiency", "model step ms",
+        "model comm wait ms", "model efficiency", "model error"]
+
+
+def table_cells(r: dict) -> list[str]:
+    """One ok row's cells, in HEAD's order."""
+    return [r["mode"], str(r["workers"]), str(r["global_batch"]), str(r["steps"]),
+            _fmt(r["train_s"], ".1f"), _fmt(r["wall_s"], ".1f"), _fmt(r["time_to_first_step_s"], ".1f"),
+            _fmt(r["steady_images_per_s"], ".0f"), _ms(r["step_s"]), _ms(r["data_s_per_step"]),
+            _ms(r["compute_s_per_step"]), _ms(r["comm_wait_s_per_step"]), _ms(r["optim_s_per_step"]),
+            _fmt(r["speedup"], ".2f"), _fmt(r["efficiency"], ".2f"), _ms(r["pred_step_s"]),
+            _ms(r["pred_exposed_comm_s"]), _fmt(r["pred_efficiency"], ".2f"),
+            _fmt(r["pred_step_error_pct"], "+.0f", suffix="%")]
+
+
+def markdown(sweep: dict) -> str:
+    link, cl = sweep["model"]["link"], sweep["cluster"]
+    lines = [f"# Scaling sweep `{sweep['sweep']}`", "",
+             f"{sweep['date']} on {sweep['host']} ({cl['nodes']} node(s), {cl['cpus']:g} CPUs, "
+             f"{cl['gpus']:g} GPUs; driver host load {load_text(cl)})  ", f"`{sweep['command']}`", "",
+             "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+    for r in sweep["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['mode']} | {r['workers']} | {r['status']} |" + " |" * (len(HEAD) - 3))
+        else:
+            lines.append("| " + " | ".join(table_cells(r)) + " |")
+    for r in sweep["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"\n{r['mode']} {r['workers']} worker(s) {r['status']}: {r['reason']}")
+    lines += ["", f"Speedup = steady img/s / 1 worker's (same mode); efficiency = speedup / N. Step "
+              f"split: mean ms per step on rank 0; comm wait = DDP backward with minus without "
+              f"gradient sync. Model: ring all-reduce on {link['name']} ({link['bandwidth_gbps']:g} "
+              f"Gbit/s, {link['latency_us']:g} us; {link['note']}), overlap with backward "
+              f"{'on' if sweep['model']['overlap'] else 'off'}; model error = (model - measured) / "
+              f"measured step time. Empty cells: not measured."]
+    return "\n".join(lines)
+
+
+def _points(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(workers, values) of the rows that have `key`: a missing value is no point, not a zero."""
+    pts = [(r["workers"], r[key]) for r in rows if not _missing(r.get(key))]
+    return [n for n, _ in pts], [v for _, v in pts]
+
+
+def plot(sweep: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in sweep["rows"] if r["status"] == "ok"]
+    fig, (ax_t, ax_e, ax_s) = plt.subplots(1, 3, figsize=(16, 4.8))
+    for mode, colour in {"strong": "tab:blue", "weak": "tab:orange"}.items():
+        pts = [r for r in rows if r["mode"] == mode]
+        if not pts:
+            continue
+        ax_t.plot(*_points(pts, "train_s"), "o-", color=colour, label=f"{mode}: training")
+        ax_t.plot(*_points(pts, "wall_s"), "s--", color=colour, alpha=0.5,
+                  label=f"{mode}: wall (Ray start, eval)")
+        ax_e.plot(*_points(pts, "efficiency"), "o-", color=colour, label=f"{mode}: measured")
+        pred = _points(pts, "pred_efficiency")
+        if pred[0]:
+            ax_e.plot(*pred, ":", color=colour, label=f"{mode}: model")
+    ax_e.axhline(1.0, color="grey", lw=0.8)
+    ax_t.set(xlabel="workers", ylabel="seconds", title="time for the fixed work")
+    ax_e.set(xlabel="workers", ylabel="speedup / workers", title="scaling efficiency", ylim=(0, 1.2))
+    for ax in (ax_t, ax_e):
+        ax.set_xticks(sorted({r["workers"] for r in rows}))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    split_bars(ax_s, rows)
+    fig.suptitle(f"{sweep['sweep']} ({sweep['date']}, {sweep['host']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def split_bars(ax, rows: list[dict]) -> None:
+    parts = [("data_s_per_step", "data"), ("compute_s_per_step", "forward+backward"),
+             ("comm_wait_s_per_step", "all-reduce wait"), ("optim_s_per_step", "optimizer")]
+    labels = [f"{r['mode'][0]}{r['workers']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for key, name in parts:
+        values = [0.0 if _missing(r.get(key)) else r[key] * 1e3 for r in rows]
+        ax.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(ylabel="ms per step (mean, rank 0)", title="where a step goes (s=strong, w=weak; N)")
+    if rows:
+        ax.legend(fontsize=8)

@@ -1,0 +1,215 @@
+"""The sweep on a Ray cluster: one real `train` run per (mode, worker count), then the report.
+
+Each point is a run in <sweep>/<mode>_w<N>/ (the 1-worker run, w1, is shared: strong and weak are the
+same job there). A finished point is reused when the same sweep runs again (a requeued SLURM job);
+a count the cluster cannot hold is a `skipped` row with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import shlex
+import time
+from typing import Any, Optional
+
+from .. import stop
+from ..config import TrainConfig, UsageError, choose_use_gpu
+from ..launch import (EXIT_PREEMPTED, check_storage, connect, finished_summary, run_training,
+                      with_default_name)
+from ..metrics import EpochMetrics
+from ..runlog import CONFIG_JSON, SUMMARY_JSON, read_json
+from . import commmodel
+from .common import COLUMNS, MODES, SCALING_CSV, SCALING_JSON, SCALING_MD, SCALING_PNG, ScaleOptions
+from .report import write_outputs
+
+log = logging.getLogger("ray_job.scale")
+# Config fields that may differ between two runs of the same point: the address changes with every
+# SLURM job, and `train` turns --progress auto into bar or lines.
+REUSE_IGNORES = ("address", "progress")
+
+
+def run_sweep(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Link],
+              argv: list[str]) -> int:
+    """The whole sweep; `link` None means --link auto (chosen once the cluster is known)."""
+    cfg = with_default_name(cfg.with_resolved_paths())  # before any point config is built
+    check_storage(cfg)
+    sweep_dir = cfg.run_dir()
+    os.makedirs(sweep_dir, exist_ok=True)
+    stop.clear(sweep_dir)
+    stop.stop_on_usr1(sweep_dir)  # what slurm_ray_start.sh sends before the time limit
+    connect(cfg)
+    cluster = cluster_info()
+    cfg = dataclasses.replace(cfg, use_gpu=choose_use_gpu(cfg.use_gpu, cluster["gpus"]))
+    link = link or auto_link(cluster, cfg, opts)
+    overlap = opts.overlap if opts.overlap is not None else bool(cfg.use_gpu)
+    load_before = os.getloadavg()[0]
+    rows = measure_all(cfg, sweep_dir, opts.modes, opts.counts)
+    # Other jobs on the driver's host skew the timings: keep the load beside them.
+    cluster["driver_host_load_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    profile = profile_from_baseline(rows[0], cfg)
+    add_speedups_and_predictions(rows, profile, link, overlap, cfg)
+    sweep = dict(sweep=cfg.name, sweep_dir=sweep_dir, date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                 command="python -m ray_job scale " + shlex.join(argv), host=platform.node(),
+                 cluster=cluster, config=cfg.to_dict(), rows=rows,
+                 model=dict(link=dataclasses.asdict(link), overlap=overlap,
+                            backward_fraction=commmodel.BACKWARD_FRACTION,
+                            profile=profile.to_dict() if profile else None))
+    print(write_outputs(sweep))
+    print(f"scaling results: {sweep_dir}/{{{SCALING_CSV},{SCALING_JSON},{SCALING_MD},{SCALING_PNG}}}")
+    return exit_code(rows)
+
+
+def exit_code(rows: list[dict]) -> int:
+    statuses = {r["status"] for r in rows}
+    if statuses & {"preempted", "not run"}:
+        print("sweep stopped on request; run the same command (same --name) to finish it: finished "
+              "points are reused")
+        return EXIT_PREEMPTED
+    return 1 if "failed" in statuses else 0
+
+
+def measure_all(cfg: TrainConfig, sweep_dir: str, modes: list[str], counts: list[int]) -> list[dict]:
+    """One row per (mode, count), modes in order; the 1-worker run is shared by all modes."""
+    plan = [(m, n) for m in modes for n in counts if not (n == 1 and m != modes[0])]
+    rows = []
+    for i, (mode, n) in enumerate(plan, 1):
+        if stop.requested(sweep_dir):
+            rows.append(dict(mode=mode, workers=n, status="not run", run="",
+                             reason="the sweep was asked to stop (preemption / time limit)"))
+            continue
+        log.info("scale: point %d/%d: %s scaling, %d worker(s)", i, len(plan), mode, n)
+        rows.append(measure_point(cfg, sweep_dir, mode, n))
+        # `train` points SIGUSR1 at its own run: point it back at the sweep between points.
+        stop.stop_on_usr1(sweep_dir)
+        if rows[-1]["status"] == "preempted":  # asked to stop while running: stop the sweep too
+            stop.request(sweep_dir)
+    for mode in modes[1:]:
+        rows.insert(modes.index(mode) * len(counts), {**rows[0], "mode": mode})
+    return rows
+
+
+def cluster_info() -> dict:
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    res = ray.cluster_resources()
+    return dict(nodes=len(nodes), cpus=res.get("CPU", 0), gpus=res.get("GPU", 0))
+
+
+def auto_link(cluster: dict, cfg: TrainConfig, opts: ScaleOptions) -> commmodel.Link:
+    """--link auto: ib across nodes, nvlink between GPUs with NCCL, else gloo's loopback."""
+    if cluster["nodes"] > 1:
+        name = "ib"
+    elif cfg.use_gpu and cfg.backend != "gloo":
+        name = "nvlink"
+    else:
+        name = "loopback"
+    return commmodel.make_link(name, opts.bandwidth_gbps, opts.latency_us)
+
+
+def point_config(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> TrainConfig:
+    if workers == 1:  # the same job in every mode, so any later sweep of either mode reuses it
+        return dataclasses.replace(cfg, storage_path=sweep_dir, num_workers=1, name="w1",
+                                   batch_mode="global")
+    return dataclasses.replace(cfg, storage_path=sweep_dir, num_workers=workers,
+                               name=f"{mode}_w{workers}", batch_mode=MODES[mode])
+
+
+def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> dict:
+    """Runs one point; a count that cannot run is a row with status skipped/failed and the reason."""
+    point = point_config(cfg, sweep_dir, mode, workers)
+    row: dict[str, Any] = dict(mode=mode, workers=workers, status="ok", reason="", run=point.name)
+    if finished_point(point):
+        row["reason"] = "reused: finished by an earlier run of this sweep"
+    try:
+        with stop.forward(sweep_dir, point.run_dir()):
+            rc = run_training(point)
+    except UsageError as e:  # does not fit, batch too small for this count, ...
+        log.warning("scale: %s %d worker(s) skipped: %s", mode, workers, e)
+        return {**row, "status": "skipped", "reason": str(e)}
+    except Exception as e:  # one broken point must not lose the whole sweep
+        log.exception("scale: %s %d worker(s) failed", mode, workers)
+        return {**row, "status": "failed", "reason": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    if rc == EXIT_PREEMPTED:
+        return {**row, "status": "preempted", "reason": "stopped on request; rerun to measure it"}
+    if rc != 0:
+        return {**row, "status": "failed", "reason": f"train exited with {rc}; see {point.run_dir()}"}
+    return {**row, **measurements(point)}
+
+
+def finished_point(point: TrainConfig) -> bool:
+    """True when this point already finished with the same flags (a requeued or repeated sweep).
+
+    An unfinished point folder is moved aside: resuming it would time only part of the work.
+    """
+    d = point.run_dir()
+    if not os.path.isdir(d):
+        return False
+    if finished_summary(point) is not None:
+        saved = read_json(os.path.join(d, CONFIG_JSON))
+        if {k: v for k, v in saved.items() if k not in REUSE_IGNORES} != \
+                {k: v for k, v in point.to_dict().items() if k not in REUSE_IGNORES}:
+            raise UsageError(f"{d} holds a finished point run with other flags; use a new --name")
+        return True
+    aside = f"{d}.interrupted-{time.strftime('%Y%m%d_%H%M%S')}"
+    log.warning("scale: moving the unfinished point %s aside to %s and running it again", d, aside)
+    os.replace(d, aside)
+    return False
+
+
+def measurements(point: TrainConfig) -> dict:
+    """The timing columns of one finished run, from its summary.json (last epoch's metrics)."""
+    summary = read_json(os.path.join(point.run_dir(), SUMMARY_JSON))
+    if summary.get("final") is None:
+        return dict(status="failed", reason=f"{point.run_dir()}/{SUMMARY_JSON} has no finished epoch")
+    m = EpochMetrics.from_dict(summary["final"])
+    steps = max(m.steps, 1)
+    comm = m.comm_wait_s_per_step or 0.0
+    steady = m.steady_images_per_s or m.images_per_s
+    gb = point.global_batch(point.num_workers)
+    return dict(global_batch=gb, per_worker_batch=point.per_worker_batch(point.num_workers),
+                steps=m.steps, wall_s=summary["wall_s"],
+                time_to_first_step_s=summary["time_to_first_step_s"], train_s=m.train_s,
+                images_per_s=m.images_per_s, steady_images_per_s=steady, step_s=gb / steady,
+                data_s_per_step=m.data_s / steps,
+                compute_s_per_step=max(0.0, m.fwd_bwd_s / steps - comm),
+                comm_wait_s_per_step=comm, optim_s_per_step=m.optim_s / steps,
+                grad_bytes=m.grad_bytes)
+
+
+def profile_from_baseline(row: dict, cfg: TrainConfig) -> Optional[commmodel.StepProfile]:
+    """The model's single-worker step: the 1-worker run's split, scaled to its steady step time."""
+    if row["status"] != "ok":
+        return None
+    parts = row["data_s_per_step"], row["compute_s_per_step"], row["optim_s_per_step"]
+    k = row["step_s"] / sum(parts)  # the split is a mean over all steps; step_s skips the first
+    nbytes = row["grad_bytes"] * (0.5 if cfg.grad_compression == "bf16" else 1.0)
+    return commmodel.StepProfile(batch=row["per_worker_batch"], data_s=parts[0] * k,
+                                 fwd_bwd_s=parts[1] * k, optim_s=parts[2] * k, grad_bytes=int(nbytes),
+                                 bucket_bytes=cfg.ddp_bucket_mb * 2**20,
+                                 source=f"1-worker run {row['run']}: steady step "
+                                 f"{row['step_s'] * 1e3:.1f} ms at batch {row['per_worker_batch']}")
+
+
+def add_speedups_and_predictions(rows: list[dict], profile: Optional[commmodel.StepProfile],
+                                 link: commmodel.Link, overlap: bool, cfg: TrainConfig) -> None:
+    """Speedup = steady images/s against 1 worker in the same mode; efficiency = speedup / N."""
+    base = {r["mode"]: r for r in rows if r["workers"] == 1 and r["status"] == "ok"}
+    for r in rows:
+        for key in COLUMNS:
+            r.setdefault(key, None)
+        if r["status"] != "ok" or r["mode"] not in base:
+            continue
+        r["speedup"] = r["steady_images_per_s"] / base[r["mode"]]["steady_images_per_s"]
+        r["efficiency"] = r["speedup"] / r["workers"]
+        if profile is None:
+            continue
+        p = commmodel.predict(profile, link, r["workers"], r["mode"], cfg.batch_size, overlap)
+        if p is None:
+            continue
+        r.update(pred_comm_s=p.comm_s, pred_exposed_comm_s=p.exposed_comm_s, pred_step_s=p.step_s,
+                 pred_efficiency=p.efficiency,
+                 pred_step_error_pct=100 * (p.step_s - r["step_s"]) / r["step_s"])
