@@ -164,8 +164,23 @@ def build_trainer(cfg: TrainConfig):
 
 # --- the whole run -----------------------------------------------------------------------------
 
+def check_submitted_job_paths(cfg: TrainConfig) -> None:
+    """Under `ray job submit` the driver runs in a temporary copy of --working-dir on the cluster:
+    a relative path would put the results there, where nobody finds them again."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:  # set by Ray's job supervisor
+        return
+    fields = ["storage_path", "resume_from"] + ([] if cfg.data == "synthetic" else ["data_dir"])
+    for name in fields:
+        value = getattr(cfg, name)
+        if value and not os.path.isabs(os.path.expanduser(value)) and "://" not in value:
+            raise UsageError(f"--{name.replace('_', '-')} {value} is relative, but a submitted job runs "
+                             f"in a temporary copy of --working-dir: give an absolute path on a file "
+                             f"system that every node shares")
+
+
 def preflight(cfg: TrainConfig) -> TrainConfig:
     """Decisions made once, on the driver, and checks that fail in seconds before Ray starts."""
+    check_submitted_job_paths(cfg)
     cfg = with_progress(with_default_name(cfg).with_resolved_paths())
     check_storage(cfg)
     check_data(cfg)
@@ -206,9 +221,8 @@ def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
               f"above; --max-failures allows more restarts)", file=sys.stderr)
         return 1
     outcome = result.return_value or {}
-    if outcome.get("usage_error"):  # bad input that only the workers could see
-        print(f"error: {outcome['usage_error']}", file=sys.stderr)
-        return 2
+    if outcome.get("usage_error"):  # bad input that only the workers could see: exit 2, one line
+        raise UsageError(outcome["usage_error"])
     best = result.get_best_checkpoint("test_acc", "max") if result.best_checkpoints else None
     preempted = bool(outcome.get("preempted"))
     summary = write_summary(cfg, started, finished=not preempted,

@@ -81,6 +81,9 @@ def test_submitted_training_job_succeeds_with_results_in_storage_path(ray_head, 
     assert len((storage / "submitted" / "metrics.jsonl").read_text().splitlines()) == 1
     assert any(p.name.startswith("checkpoint_") for p in (storage / "submitted").iterdir())
     assert "results:" in logs and "Found multiple active Ray instances" not in logs
+    # `ray job logs` is not a terminal: plain progress lines, then the filled final table
+    assert "Step [1/" in logs and "ETA epoch" in logs, logs[-4000:]
+    assert "    1 " in logs.split("epoch train loss")[-1], logs[-3000:]
     assert f"Job '{job_id}' succeeded" in ray_head.job("status", job_id).stdout
 
     # What was uploaded from the real repo: the code, a few hundred KiB, no venv/results/git.
@@ -131,6 +134,17 @@ def test_failing_job_is_failed_and_submit_exits_nonzero(ray_head, tmp_path):
     assert ray_head.job_status(job_id) == "FAILED"
     status = ray_head.job("status", job_id).stdout
     assert f"Job '{job_id}' failed" in status and "exit code 2" in status, status[-2000:]
+
+
+def test_relative_storage_path_in_a_submitted_job_is_refused(ray_head):
+    """The job runs in a temporary copy of --working-dir: ./results there would be lost."""
+    job_id = _job_id("rel")
+    proc = _submit(ray_head, job_id, sys.executable, "-m", "ray_job", "train", *TINY,
+                   "--storage-path", "results", "--name", "lost")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--storage-path results is relative" in errors[0], proc.stdout[-3000:]
+    assert ray_head.job_status(job_id) == "FAILED"
 
 
 def test_running_job_can_be_stopped(ray_head):
