@@ -18,15 +18,22 @@
 #                                                           until the allocation ends (alias: --keep-alive)
 #   e.g. sbatch --nodes=4 --gpus-per-node=4 slurm_ray_start.sh --num-workers 16 --epochs 30
 #
+# CPU-only cluster: the --gpus-per-node=1 default above makes sbatch refuse the job there
+# ("Invalid generic resource (gres) specification", or "Requested node configuration is not
+# available"), before this script runs. Override it, and the CPUs per task to what a node has:
+#   sbatch --gpus-per-node=0 --cpus-per-task=4 slurm_ray_start.sh --num-workers 2 --epochs 30
+# Without GPUs from SLURM the driver gets --no-gpu (and a --use-gpu of yours is refused).
+#
 # One Ray node per SLURM node: the head on the first node of the allocation (where this script
 # runs), the others started with `srun -w <node> ray start --block`. Every node gets --num-cpus
-# from SLURM's CPUs per task and --num-gpus from the GPUs SLURM gave it. The script adds
-# --address, and --storage-path/--name unless given, to the driver's flags; the run name comes from
-# the job id, so a requeued job resumes the same run.
+# from SLURM's CPUs per task and --num-gpus from the GPUs SLURM gave it. The driver's flags are
+# yours, plus --address, and --storage-path, --name and --use-gpu/--no-gpu unless you gave them in
+# any form (ray_job/slurm.py decides, with the driver's own parser, before any Ray node starts);
+# the run name comes from the job id, so a requeued job resumes the same run.
 #
 # Preemption / time limit: on SIGUSR1 (--signal=B:USR1@300, or `scancel --batch --signal=USR1 <id>`)
-# the script asks the driver to stop (touches <storage-path>/<name>/.preempt), waits up to
-# RJ_PREEMPT_GRACE seconds for its checkpoint, stops Ray, runs `scontrol requeue $SLURM_JOB_ID` and
+# the script passes USR1 on to the driver (which asks its workers to checkpoint and stop), waits up
+# to RJ_PREEMPT_GRACE seconds for it to exit, stops Ray, runs `scontrol requeue $SLURM_JOB_ID` and
 # exits. The requeued job resumes from the latest checkpoint.
 #
 # Security: a fresh Ray auth token per job (RAY_AUTH_MODE=token; files of mode 0600: node-local ones
@@ -74,13 +81,17 @@ export RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=${RAY_TRAIN_ENABLE_PREEMPTION_WATCHER
 # Read again inside the srun steps (run_ray_node).
 export RJ_PYTHON RJ_PORT_BASE RJ_PORT_MAX RJ_PORTS_PER_NODE
 
+# Set by plan_job from `python -m ray_job.slurm plan` (ray_job/slurm.py decides them all):
+JOB_ID="" RESTART_COUNT=0 LOG_DIR=""
+CPUS_PER_NODE=1 GPUS_PER_NODE=0  # what SLURM gave each node
 MODE=train            # train | scale | serve
-DRIVER_ARGS=()        # flags for `python -m ray_job $MODE`
+STORAGE_PATH="" RUN_NAME=""      # where the driver writes the run (for the log)
+WANT_GPU=0            # whether the driver trains on GPUs
+DRIVER_ARGS=()        # flags for `python -m ray_job $MODE` (this script adds --address)
 NODES=()              # SLURM node names; NODES[0] hosts the head
 NODE_IPS=()           # their addresses, as Ray will use them
 NODE_PIDS=()          # PIDs of the `srun ... ray start --block` steps, same order
 DRIVER_PID=""
-WANT_GPU=0
 PREEMPT_REQUESTED=0   # set by the USR1 trap
 PREEMPT_DEADLINE=0    # $SECONDS by which the driver must have stopped after USR1
 JOB_TMP=""            # node-local temp dir of this job on the head node (token, head temp dir)
@@ -89,22 +100,28 @@ ACCESS_FILES=()       # token copy and cluster.env for clients (dashboard, ray j
 log() { printf '%s [slurm_ray_start] %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "$*" >&2; }
 die() { local rc=$1; shift; log "ERROR: $*"; exit "$rc"; }
 
-# ---- SLURM environment: read in this one place -----------------------------------------------
-read_slurm_env() {
+# ---- SLURM environment and the driver's flags: decided in ray_job/slurm.py -------------------
+# ray_job.slurm reads the allocation and parses the user's mode and flags with the driver's own
+# parser; it prints NUL-terminated KEY=VALUE records (the variables above), "--", then the
+# driver's flags. Bad input: it prints one `error: ...` line and exits 2, before any Ray node.
+plan_job() {
   [[ -n ${SLURM_JOB_ID:-} ]] || die 2 "SLURM_JOB_ID is not set. HINT: submit with 'sbatch slurm_ray_start.sh ...'"
-  JOB_ID=$SLURM_JOB_ID
-  SUBMIT_DIR=${SLURM_SUBMIT_DIR:-$PWD}
-  RESTART_COUNT=${SLURM_RESTART_COUNT:-0}
+  local -a plan
+  local i rc=0 key
+  mapfile -d '' -t plan < <("$RJ_PYTHON" -m ray_job.slurm plan "$@")
+  wait $! || rc=$?
+  ((rc != 2)) || exit 2
+  ((rc == 0)) || die 2 "'$RJ_PYTHON -m ray_job.slurm' failed (status $rc). HINT: set RJ_PYTHON to the interpreter that has ray_job and ray installed"
+  ((${#plan[@]} > 0)) || exit 0  # --help: printed, nothing to run
+  for ((i = 0; i < ${#plan[@]}; i++)); do
+    [[ ${plan[i]} != -- ]] || break
+    key=${plan[i]%%=*}
+    [[ $key =~ ^[A-Z_]+$ ]] || die 2 "unexpected record from ray_job.slurm: '${plan[i]}'"
+    printf -v "$key" '%s' "${plan[i]#*=}"
+  done
+  DRIVER_ARGS=("${plan[@]:i+1}")
   mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   ((${#NODES[@]} > 0)) || die 4 "cannot expand SLURM_JOB_NODELIST='${SLURM_JOB_NODELIST:-}' with scontrol"
-  CPUS_PER_NODE=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}
-  # SLURM_GPUS_ON_NODE is set when the node got GPUs; --gpus-per-node may read "a100:2".
-  local per_node=${SLURM_GPUS_PER_NODE:-0}
-  GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-${per_node##*:}}
-  [[ $GPUS_PER_NODE =~ ^[0-9]+$ ]] || die 2 "cannot read the GPU count from SLURM ('$GPUS_PER_NODE')"
-  STORAGE_PATH=${RJ_STORAGE_PATH:-$SUBMIT_DIR/ray_results}
-  RUN_NAME=${RJ_RUN_NAME:-slurm-$JOB_ID}
-  LOG_DIR=${RJ_LOG_DIR:-$SUBMIT_DIR/ray-logs/$JOB_ID}
 }
 
 check_knobs() {
@@ -122,45 +139,6 @@ node_ip() {
   addr=$(scontrol show node -o "$node" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
   addr=${addr:-$node}
   getent ahostsv4 "$addr" | awk '{ print $1; exit }'
-}
-
-# ---- arguments --------------------------------------------------------------------------------
-parse_args() {
-  case ${1:-} in
-    train|scale) MODE=$1; shift ;;
-    serve|--keep-alive) MODE=serve; shift ;;
-    ""|-*) MODE=train ;;
-    *) die 2 "unknown mode '$1'. HINT: use train (default), scale or serve" ;;
-  esac
-  DRIVER_ARGS=("$@")
-  local arg i have_storage=0 have_name=0 have_gpu_flag=0
-  for ((i = 0; i < ${#DRIVER_ARGS[@]}; i++)); do
-    arg=${DRIVER_ARGS[i]}
-    case $arg in
-      --address|--address=*) die 2 "--address is set by this script; do not pass it" ;;
-      --storage-path) have_storage=1; STORAGE_PATH=${DRIVER_ARGS[i + 1]:-} ;;
-      --storage-path=*) have_storage=1; STORAGE_PATH=${arg#*=} ;;
-      --name) have_name=1; RUN_NAME=${DRIVER_ARGS[i + 1]:-} ;;
-      --name=*) have_name=1; RUN_NAME=${arg#*=} ;;
-      --use-gpu) have_gpu_flag=1; WANT_GPU=1 ;;
-      --no-gpu) have_gpu_flag=1; WANT_GPU=0 ;;
-    esac
-  done
-  [[ -n $STORAGE_PATH && -n $RUN_NAME ]] || die 2 "--storage-path and --name need a value"
-  [[ $MODE == serve ]] && return 0
-  ((have_storage)) || DRIVER_ARGS+=(--storage-path "$STORAGE_PATH")
-  ((have_name)) || DRIVER_ARGS+=(--name "$RUN_NAME")
-  if ((!have_gpu_flag)); then
-    if ((GPUS_PER_NODE > 0)); then WANT_GPU=1; DRIVER_ARGS+=(--use-gpu); else WANT_GPU=0; DRIVER_ARGS+=(--no-gpu); fi
-  fi
-}
-
-check_resources() {
-  [[ $MODE != serve ]] || return 0
-  if ((WANT_GPU && GPUS_PER_NODE == 0)); then
-    die 2 "--use-gpu was requested but SLURM gave this job no GPUs. HINT: submit with --gpus-per-node=N (or --gres=gpu:N), or train with --no-gpu"
-  fi
-  ((WANT_GPU || GPUS_PER_NODE == 0)) || log "WARNING: $GPUS_PER_NODE GPU(s) per node allocated but --no-gpu given"
 }
 
 # All nodes must be reachable at their address; loopback is fine only if every node is loopback
@@ -278,20 +256,7 @@ start_workers() {
 
 # Prints "<GPU total> <alive node names...>" for the cluster at $1, or "down" if GCS is not up.
 cluster_status() {
-  "$RJ_PYTHON" - "$1" 2>/dev/null <<'PY'
-import socket, sys
-host, port = sys.argv[1].rsplit(":", 1)
-try:
-    socket.create_connection((host, int(port)), timeout=2).close()
-    from ray._raylet import GcsClient
-    from ray.core.generated.gcs_pb2 import GcsNodeInfo
-    infos = GcsClient(address=sys.argv[1]).get_all_node_info(timeout=5).values()
-except Exception:
-    print("down")
-    sys.exit(0)
-alive = [i for i in infos if i.state == GcsNodeInfo.ALIVE]
-print(int(sum(i.resources_total.get("GPU", 0) for i in alive)), *sorted(i.node_name for i in alive))
-PY
+  "$RJ_PYTHON" -m ray_job.slurm cluster-status "$1" 2>/dev/null || echo down
 }
 
 report_missing() {
@@ -370,29 +335,19 @@ print_access_info() {
 }
 
 # ---- driver, preemption, serve ----------------------------------------------------------------
-preempt_file() { [[ $STORAGE_PATH == *://* ]] || echo "$STORAGE_PATH/$RUN_NAME/.preempt"; }
-
 on_usr1() {
   ((PREEMPT_REQUESTED)) && return 0
   PREEMPT_REQUESTED=1
   PREEMPT_DEADLINE=$((SECONDS + RJ_PREEMPT_GRACE))
   log "USR1: preemption or time limit; asking the driver to checkpoint and stop"
-  [[ -n $DRIVER_PID ]] || return 0
-  local f
-  f=$(preempt_file)
-  if [[ -n $f ]]; then
-    mkdir -p "${f%/*}" && touch "$f"
-  else
-    kill -USR1 "$DRIVER_PID" 2>/dev/null || true
-  fi
+  # The driver turns its own USR1 into a stop request for the workers (ray_job/stop.py).
+  [[ -z $DRIVER_PID ]] || kill -USR1 "$DRIVER_PID" 2>/dev/null || true
 }
 
 run_driver() {
-  local f rc=0
-  f=$(preempt_file)
-  [[ -z $f ]] || rm -f "$f"  # a request left by the previous (requeued) run is done
-  log "driver: $RJ_PYTHON -m ray_job $MODE ${DRIVER_ARGS[*]} --address $GCS_ADDRESS"
-  "$RJ_PYTHON" -m ray_job "$MODE" "${DRIVER_ARGS[@]}" --address "$GCS_ADDRESS" &
+  local rc=0
+  log "driver: $RJ_PYTHON -m ray_job $MODE --address $GCS_ADDRESS ${DRIVER_ARGS[*]}"
+  "$RJ_PYTHON" -m ray_job "$MODE" --address "$GCS_ADDRESS" "${DRIVER_ARGS[@]}" &
   DRIVER_PID=$!
   # Poll rather than `wait`, so that the USR1 grace period can be enforced; bash reaps the
   # driver when it exits and `wait` then returns its saved status.
@@ -489,15 +444,15 @@ cleanup() {
 }
 
 main() {
-  read_slurm_env
   check_knobs
-  parse_args "$@"
-  check_resources
+  plan_job "$@"
   trap cleanup EXIT
   trap 'exit 143' TERM
   trap 'exit 130' INT
   trap on_usr1 USR1
-  log "job $JOB_ID (restart $RESTART_COUNT), mode $MODE, nodes: ${NODES[*]}, storage $STORAGE_PATH, run $RUN_NAME"
+  local gpu=no
+  ((WANT_GPU)) && gpu=yes
+  log "job $JOB_ID (restart $RESTART_COUNT), mode $MODE, nodes: ${NODES[*]}, storage $STORAGE_PATH, run $RUN_NAME, driver on GPUs: $gpu"
   resolve_addresses
   make_job_dirs
   start_cluster

@@ -61,6 +61,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: Sequenc
                                metavar=None if meta.get("choices") else f.name.upper())
         if f.name == "use_gpu":
             group.add_argument("--no-gpu", dest="use_gpu", action="store_false",
+                               default=argparse.SUPPRESS,
                                help="same as --no-use-gpu: train on CPUs with gloo")
 
 

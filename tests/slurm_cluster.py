@@ -117,7 +117,7 @@ class SlurmCluster:
             return {"GLOO_SOCKET_IFNAME": "eth0"}
         return {}
 
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)  # munged insists its socket folder be reachable by all
         try:
@@ -151,7 +151,7 @@ class SlurmCluster:
             if os.environ.get("SLURM_TEST_KEEP_DIR") != "1":
                 shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -296,8 +296,9 @@ class SlurmCluster:
             "ReturnToService=2", "KillWait=10", "MinJobAge=600", "InactiveLimit=0",
             "SchedulerParameters=batch_sched_delay=0",
             "SlurmdParameters=config_overrides",  # advertise more CPUs than this machine has
-            "GresTypes=gpu",
         ]
+        if self.gpus_per_node:  # gpus_per_node=0: a CPU-only cluster, which knows no GPU type
+            lines.append("GresTypes=gpu")
         if self.network == "loopback":  # bind NodeAddr; in a namespace, any address is private
             lines.append("CommunicationParameters=NoInAddrAny")
         for node in self.nodes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -145,10 +146,32 @@ def test_outside_slurm_it_says_how_to_submit(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_cpu_only_cluster_takes_the_documented_sbatch_form(tmp_path):
+    """On a cluster without GPUs sbatch refuses the script's --gpus-per-node=1 default; the form
+    in the script's usage header is accepted (sbatch --test-only: checked, not run)."""
+    from slurm_cluster import SlurmCluster, missing_requirement
+
+    if reason := missing_requirement():
+        pytest.skip(reason)
+    documented = re.search(r"^#\s+(sbatch --gpus-per-node=0 .*)$", SCRIPT.read_text(), re.M)
+    assert documented, "the usage header does not show the CPU-only form"
+    argv = [str(SCRIPT) if a == SCRIPT.name else a for a in shlex.split(documented[1])[1:]]
+    with SlurmCluster(gpus_per_node=0, network="loopback") as cpu_only:
+        def test_only(args):
+            return cpu_only.run(["sbatch", "--test-only", *args], cwd=tmp_path, check=False)
+
+        refused = test_only(["--cpus-per-task=2", str(SCRIPT)])
+        assert refused.returncode != 0 and "Invalid generic resource" in refused.stderr, refused
+        accepted = test_only(argv)
+        assert accepted.returncode == 0 and "to start at" in accepted.stderr, accepted
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("args, message", [
     (["train", "--use-gpu", *TINY], "SLURM gave this job no GPUs"),
     (["tarin", *TINY], "unknown mode 'tarin'"),
     (["--address", "10.0.0.1:6379", *TINY], "--address is set by this script"),
+    (["train", *TINY, "--epochs", "0"], "error: --epochs must be a positive number"),
 ])
 def test_bad_input_fails_fast_with_a_hint(slurm_cluster, tmp_path, args, message):
     job = Job(slurm_cluster, tmp_path, args)
@@ -211,7 +234,7 @@ def test_preemption_requeues_and_resumes_from_the_checkpoint(slurm_cluster, tmp_
     assert [(e["epoch"] + 1, e["step"]) for e in resumed] == [(stop_epoch, stop_step)], job.events()
     starts = [(e["epoch"], e["step"]) for e in job.events() if e["event"] == "epoch_start"]
     assert starts == [(1, 0), (2, 0), (2, stop_step)], starts
-    assert job.output.count("job %d (restart 1)" % job.id) == 1
+    assert job.output.count(f"job {job.id} (restart 1)") == 1
     job.assert_cleaned_up()
 
 
