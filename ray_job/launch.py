@@ -198,14 +198,14 @@ def run_training(cfg: TrainConfig) -> int:
               f"accuracy {'-' if best is None else f'{best:.4f}'}); results in {cfg.run_dir()}. Use "
               f"a new --name, or more --epochs to continue it.")
         return 0
+    os.makedirs(cfg.run_dir(), exist_ok=True)
+    stop.clear(cfg.run_dir())  # a request left by the previous (requeued) run is done
+    stop.stop_on_usr1(cfg.run_dir())  # before Ray starts: a USR1 from now on is a request
     connect(cfg)
     cfg = resolve_workers(cfg)
     check_sizes(cfg, cfg.num_workers)
-    os.makedirs(cfg.run_dir(), exist_ok=True)
-    stop.clear(cfg.run_dir())
     write_json(os.path.join(cfg.run_dir(), CONFIG_JSON), cfg.to_dict())
     print("config:\n" + cfg.to_json(), flush=True)
-    stop.stop_on_usr1(cfg.run_dir())
     return fit_and_summarise(cfg, started)
 
 
