@@ -142,8 +142,9 @@ def test_relative_storage_path_in_a_submitted_job_is_refused(ray_head):
     proc = _submit(ray_head, job_id, sys.executable, "-m", "ray_job", "train", *TINY,
                    "--storage-path", "results", "--name", "lost")
     assert proc.returncode != 0
-    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "--storage-path results is relative" in errors[0], proc.stdout[-3000:]
+    # `ray job submit` shows the driver's output twice: while tailing and in the status message
+    errors = {line for line in proc.stdout.splitlines() if line.startswith("error:")}
+    assert len(errors) == 1 and "--storage-path results is relative" in errors.pop(), proc.stdout[-3000:]
     assert ray_head.job_status(job_id) == "FAILED"
 
 
