@@ -114,7 +114,8 @@ class TrainConfig:
     storage_path: str = _f("./results", "where runs are written (shared file system on multi-node "
                            "clusters)", "results")
     name: str = _f("", "run name; a run with an existing name continues from its latest checkpoint "
-                   "(default: ray_job_<date>_<time>)", "results")
+                   "(default: ray_job_<data>_<model>_<hash of the flags>, so the same command continues the "
+                   "same run)", "results")
     resume_from: str = _f("", "start a new run from this checkpoint (directory or checkpoint.pt)",
                           "results")
     max_failures: int = _f(2, "worker-group restarts (from the last checkpoint) before giving up",
@@ -176,6 +177,19 @@ class TrainConfig:
         """
         return dataclasses.replace(self, **{
             name: resolve_path(getattr(self, name), cwd) for name in PATH_FIELDS})
+
+    def default_name(self) -> str:
+        """ray_job_<data>_<model>_<hash of what the run computes>: the same command names the same
+        run, so running it again continues it (or says it is finished). Where the run is written,
+        how it is watched and how long it goes on (--epochs: more of them extend the run) are left
+        out of the hash."""
+        import hashlib
+
+        ignore = {"name", "storage_path", "address", "progress", "log_every", "epochs",
+                  "max_failures", "keep_checkpoints"}
+        what = {k: v for k, v in sorted(self.to_dict().items()) if k not in ignore}
+        digest = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
+        return f"ray_job_{self.data}_{self.model}_{digest}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

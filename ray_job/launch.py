@@ -31,7 +31,7 @@ def with_default_name(cfg: TrainConfig) -> TrainConfig:
         if os.sep in cfg.name or cfg.name in (".", ".."):
             raise UsageError(f"--name {cfg.name!r} must be a plain folder name, not a path")
         return cfg
-    return dataclasses.replace(cfg, name=time.strftime("ray_job_%Y%m%d_%H%M%S"))
+    return dataclasses.replace(cfg, name=cfg.default_name())
 
 
 def with_progress(cfg: TrainConfig) -> TrainConfig:
@@ -181,7 +181,7 @@ def check_submitted_job_paths(cfg: TrainConfig) -> None:
 def preflight(cfg: TrainConfig) -> TrainConfig:
     """Decisions made once, on the driver, and checks that fail in seconds before Ray starts."""
     check_submitted_job_paths(cfg)
-    cfg = with_progress(with_default_name(cfg).with_resolved_paths())
+    cfg = with_progress(with_default_name(cfg.with_resolved_paths()))
     check_storage(cfg)
     check_data(cfg)
     check_resume_from(cfg)

@@ -116,3 +116,13 @@ def test_progress_lines_every_n_steps_with_speed_and_eta(caplog):
         caplog.clear()
         quiet.on_step(1, torch.tensor(1.0), 0.0, 0.0)
     assert not caplog.records  # --log-every 0: epoch lines only
+
+
+def test_default_name_is_the_same_for_the_same_command():
+    base = parse_train_args(["--data", "synthetic", "--model", "resnet18"]).with_resolved_paths()
+    same = parse_train_args(["--model", "resnet18", "--data", "synthetic", "--epochs", "7",
+                             "--log-every", "3"]).with_resolved_paths()
+    other = parse_train_args(["--data", "synthetic", "--model", "resnet18", "--lr", "0.2"])
+    assert base.default_name() == same.default_name()  # --epochs extends the same run
+    assert base.default_name().startswith("ray_job_synthetic_resnet18_")
+    assert other.with_resolved_paths().default_name() != base.default_name()

@@ -74,7 +74,7 @@ def table_rows(stdout: str) -> list[list[str]]:
 def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_dir):
     data = ["--data", "cifar10", "--data-dir", "data", "--no-download", "--storage-path", "results",
             *MODEL]
-    args = [*data, "--name", "seat", "--num-workers", "2", "--epochs", "1"]
+    args = [*data, "--num-workers", "2", "--epochs", "1"]  # no --name, as in the README
     proc = train(user_dir, *args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -85,7 +85,8 @@ def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_
     assert all("img/s" in line and "ETA epoch" in line and "data" in line for line in progress)
     rows = table_rows(proc.stdout)
     assert len(rows) == 1 and float(rows[0][4]) > 0.2, proc.stdout[-2000:]  # test acc > chance
-    run_dir = user_dir / "results" / "seat"
+    (run_dir,) = (user_dir / "results").iterdir()  # the default name: ray_job_<data>_<model>_<hash>
+    assert run_dir.name.startswith("ray_job_cifar10_resnet18_")
     assert f"results: {run_dir}" in proc.stdout
     assert "(test accuracy 0." in proc.stdout
 
@@ -102,7 +103,7 @@ def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_
     assert summary["finished"] and summary["epochs_completed"] == 1
     assert summary["best_test_acc"] == pytest.approx(float(rows[0][4]), abs=1e-3)
 
-    # the same command again: finished, says so, starts no Ray, trains nothing
+    # the same command again (same default name): finished, says so, starts no Ray, trains nothing
     again = train(user_dir, *args, timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "already finished 1 epochs" in again.stdout
