@@ -14,7 +14,7 @@ from typing import Optional
 
 from . import metrics, stop
 from .checkpoint import load_checkpoint
-from .config import TrainConfig, UsageError, choose_use_gpu
+from .config import TrainConfig, UsageError, _flag, choose_use_gpu, is_uri
 from .data import check_data
 from .ports import free_port
 from .runlog import (CONFIG_JSON, EVENTS_JSONL, METRICS_JSONL, SUMMARY_JSON, read_json, read_jsonl,
@@ -172,8 +172,8 @@ def check_submitted_job_paths(cfg: TrainConfig) -> None:
     fields = ["storage_path", "resume_from"] + ([] if cfg.data == "synthetic" else ["data_dir"])
     for name in fields:
         value = getattr(cfg, name)
-        if value and not os.path.isabs(os.path.expanduser(value)) and "://" not in value:
-            raise UsageError(f"--{name.replace('_', '-')} {value} is relative, but a submitted job runs "
+        if value and not os.path.isabs(os.path.expanduser(value)) and not is_uri(value):
+            raise UsageError(f"--{_flag(name)} {value} is relative, but a submitted job runs "
                              f"in a temporary copy of --working-dir: give an absolute path on a file "
                              f"system that every node shares")
 

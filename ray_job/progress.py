@@ -31,12 +31,11 @@ class Progress:
     def __init__(self, mode: str, epoch: int, epochs: int, steps: int, start_step: int,
                  global_batch: int, log_every: int, eval_s: Optional[float] = None,
                  every_s: float = EVERY_S):
-        self.mode, self.epoch, self.epochs, self.steps = mode, epoch, epochs, steps
-        self.start_step, self.global_batch, self.log_every = start_step, global_batch, log_every
+        self.epoch, self.epochs, self.steps = epoch, epochs, steps
+        self.global_batch, self.log_every = global_batch, log_every
         self.eval_s, self.every_s = eval_s or 0.0, every_s
         self.started = time.perf_counter()
         self.last_print = 0.0
-        self.data_s = self.compute_s = 0.0
         self.done = 0  # steps taken in this process (the first ones may be resumed past)
         self.bar = None
         if mode == "bar":
