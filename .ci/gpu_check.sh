@@ -1,17 +1,38 @@
 #!/usr/bin/env bash
-# The GPU check of issues 4 and 5, prepared to run as is on the lent GPU machine (one H200) through
-# the device tool, in one call of about 10 minutes:
+# The GPU check of issues 4, 5 and 12, prepared to run as is on the lent GPU machine (one H200)
+# through the device tool, in ONE call of at most 600 s:
 #   printf '.whl/\n.data/\n' >> .git/info/exclude
 #   ../shared/device/make_kit.sh .whl && mkdir -p .data && cp ../shared/data/cifar10-jpeg.tar.xz .data/
 #   device run, carry [".whl", ".data"], timeout 600:   bash .ci/gpu_check.sh
-# It writes everything it measured under $OUT (the device tool brings that folder back):
-#   gpu.txt, bench.{txt,json}, bench_compile.{txt,json}, train_fast.txt + metrics/summary JSON,
-#   scale.txt + scaling.{md,json,png}.
+# The whole script keeps to GPU_CHECK_BUDGET_S (570 s, counted from its start): each part has a cap,
+# gets at most what is left, and is skipped (logged) when less than its minimum is left. In order:
+#   bench        seed pipeline vs fast path vs Ray, both stems, with the FLOP share   (cap 200 s)
+#   vs_ddp       the seed's raw DDP under torchrun vs Ray Train, seed's loop vs ours,
+#                1 worker (the one GPU), ResNet-50 ImageNet stem, global batch 128    (cap 170 s)
+#   train_fast   --recipe fast on the CIFAR-10 JPEG copy, 1 GPU                      (cap 240 s)
+#   scale        1 vs 2 workers sharing the GPU, 20 steps a point (was 30)          (cap 160 s)
+#   bench_compile  CIFAR stem with torch.compile (last: the least needed)            (cap 120 s)
+# It writes everything under $OUT (the device tool brings that folder back): log.txt, gpu.txt,
+# bench.{txt,json}, vs_ddp.{txt,json}, train_fast.txt + metrics/summary JSON, scale.txt +
+# scaling.{md,json,png}, bench_compile.{txt,json}.
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu_check_out}
 DATA=${DATA:-/tmp/data}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-570}
 mkdir -p "$OUT" "$DATA"
-log() { printf '%s [gpu_check] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$OUT/log.txt"; }
+log() { printf '%s [gpu_check] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$OUT/log.txt" >&2; }
+
+# The timeout for the next part: its cap, or what is left of the budget; fails (and logs) when
+# that is below the part's minimum.
+budget_for() {
+  local name=$1 cap=$2 min=$3 rest=$((BUDGET_S - SECONDS))
+  if ((rest < cap)); then cap=$rest; fi
+  if ((cap < min)); then
+    log "$name: skipped, ${rest}s left of the ${BUDGET_S}s budget (needs ${min}s)"
+    return 1
+  fi
+  echo "$cap"
+}
 
 setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
@@ -22,32 +43,53 @@ setup() {
 }
 
 run_bench() {
-  log "bench: seed pipeline vs fast path vs Ray, ImageNet and CIFAR stems"
-  timeout 240 python3 -m ray_job bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -n 20
-  log "bench: CIFAR stem with torch.compile"
-  timeout 150 python3 -m ray_job bench --stems cifar --compile --no-ray --seed-steps 20 \
-    --out "$OUT/bench_compile.json" 2>&1 | tee "$OUT/bench_compile.txt" | tail -n 12
+  local t
+  t=$(budget_for bench 200 60) || return 0
+  log "bench: seed pipeline vs fast path vs Ray, ImageNet and CIFAR stems, FLOP share (up to ${t}s)"
+  timeout "$t" python3 -m ray_job bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -n 20
+}
+
+run_vs_ddp() {
+  local t
+  t=$(budget_for vs_ddp 170 90) || return 0
+  log "bench --vs-ddp: torchrun vs Ray Train, seed's loop vs ours, 1 worker (up to ${t}s)"
+  timeout "$t" python3 -m ray_job bench --vs-ddp --workers 1 --model resnet50 --stems imagenet \
+    --out "$OUT/vs_ddp.json" 2>&1 | tee "$OUT/vs_ddp.txt" | tail -n 12
 }
 
 run_fast_recipe() {
-  log "train --recipe fast on the CIFAR-10 JPEG copy (50k train / 5k test), 1 GPU"
-  timeout 300 python3 -m ray_job train --recipe fast --data imagefolder \
+  local t
+  t=$(budget_for train_fast 240 150) || return 0
+  log "train --recipe fast on the CIFAR-10 JPEG copy (50k train / 5k test), 1 GPU (up to ${t}s)"
+  timeout "$t" python3 -m ray_job train --recipe fast --data imagefolder \
     --data-dir "$DATA/cifar10-jpeg" --num-workers 1 --storage-path /tmp/results --name fast \
     --log-every 0 2>&1 | tee "$OUT/train_fast.txt" | grep -E "epoch [0-9]+/|results|best|error" || true
   cp /tmp/results/fast/{metrics.jsonl,summary.json,config.json} "$OUT/" 2>/dev/null || true
 }
 
 run_scale() {
-  log "scale: 1 worker vs 2 workers sharing the GPU (gloo, 0.5 GPU each)"
-  timeout 300 python3 -m ray_job scale --workers 1,2 --mode both --gpus-per-worker 0.5 \
+  local t
+  t=$(budget_for scale 160 90) || return 0
+  log "scale: 1 worker vs 2 workers sharing the GPU (gloo, 0.5 GPU each) (up to ${t}s)"
+  timeout "$t" python3 -m ray_job scale --workers 1,2 --mode both --gpus-per-worker 0.5 \
     --backend gloo --model resnet50 --stem cifar --data imagefolder --data-dir "$DATA/cifar10-jpeg" \
-    --batch-size 512 --steps-per-epoch 30 --storage-path /tmp/results --name scale_gpu \
+    --batch-size 512 --steps-per-epoch 20 --storage-path /tmp/results --name scale_gpu \
     2>&1 | tee "$OUT/scale.txt" | tail -n 20
   cp /tmp/results/scale_gpu/scaling.* "$OUT/" 2>/dev/null || true
 }
 
+run_bench_compile() {
+  local t
+  t=$(budget_for bench_compile 120 60) || return 0
+  log "bench: CIFAR stem with torch.compile (up to ${t}s)"
+  timeout "$t" python3 -m ray_job bench --stems cifar --compile --no-ray --seed-steps 20 \
+    --out "$OUT/bench_compile.json" 2>&1 | tee "$OUT/bench_compile.txt" | tail -n 12
+}
+
 setup
-run_bench || log "bench failed (see bench.txt)"
+run_bench || log "bench failed or timed out (see bench.txt)"
+run_vs_ddp || log "vs_ddp failed or timed out (see vs_ddp.txt)"
 run_fast_recipe || log "fast recipe failed (see train_fast.txt)"
-run_scale || log "scale failed (see scale.txt)"
-log "done"
+run_scale || log "scale failed or timed out (see scale.txt)"
+run_bench_compile || log "bench_compile failed or timed out (see bench_compile.txt)"
+log "done in ${SECONDS}s (budget ${BUDGET_S}s)"

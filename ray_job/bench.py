@@ -7,10 +7,17 @@ Measured in one run, on whatever device is there:
                the ceiling for the data path;
   3. fast      this project's step without Ray: uint8 batches, pinned, copied, augmented on device;
   4. ray       the same step inside Ray Train with 1 worker (prepare_model / prepare_data_loader).
-It prints images/s, the data-loading share, peak memory and the ratios, and writes JSON.
+It prints images/s, the data-loading share, peak memory and the ratios, and writes JSON. In the
+same run it measures the ceiling: the device's dense matmul FLOP/s (fp32; bf16 too on GPU), and each
+row's achieved FLOP/s (FLOPs per image, counted once with torch.utils.flop_counter, x images/s) as a
+share of it.
+
+`--vs-ddp --workers N` instead compares with the seed's raw DDP (torchrun vs Ray Train, the seed's
+loop vs ours), and `--vs-ddp --to-accuracy A` races the two recipes to a test accuracy: see vsddp.py.
 
     python -m ray_job bench                       # CPU-sized defaults, about a minute here
     python -m ray_job bench --stems imagenet,cifar --batch-size 2048 --steps 50   # one GPU
+    python -m ray_job bench --vs-ddp --workers 2  # torchrun vs Ray Train, seed's loop vs ours
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .config import MODELS, Speed, UsageError, resolve_path
+from .config import DATASETS, MODELS, Speed, UsageError, resolve_path
 
 SEED_BATCH = 128
 
@@ -40,13 +47,37 @@ class BenchConfig:
     stems: str = _h("", "comma list of stems (imagenet, cifar); default: imagenet on CPU, "
                     "imagenet,cifar on GPU")
     batch_size: int = _h(0, "batch size; 0 = 256 on CPU, 2048 (imagenet stem) / 512 (cifar stem) "
-                         "on GPU")
-    steps: int = _h(0, "timed steps; 0 = 4 on CPU, 50 on GPU")
-    warmup: int = _h(0, "untimed steps first; 0 = 1 on CPU, 15 on GPU")
+                         "on GPU; with --vs-ddp the global batch, 0 = the seed's 128")
+    steps: int = _h(0, "timed steps; 0 = 4 on CPU, 50 on GPU (--vs-ddp: 12 on CPU, 50 on GPU)")
+    warmup: int = _h(0, "untimed steps first; 0 = 1 on CPU, 15 on GPU (--vs-ddp: 2 on CPU, 10 on GPU)")
     seed_steps: int = _h(0, "steps of the seed pipeline; 0 = 4 on CPU, 100 on GPU")
     compile: bool = _h(False, "torch.compile this project's model")
     ray: bool = _h(True, "also time the step under Ray Train (1 worker)")
-    out: str = _h("results/bench.json", "where the JSON report goes")
+    matmul_size: int = _h(0, "n of the n x n matmul that measures the device's peak FLOP/s; 0 = 2048 on "
+                          "CPU, 8192 on GPU")
+    out: str = _h("", "where the JSON report goes; default results/bench.json, bench_vs_ddp.json with "
+                  "--vs-ddp, bench_to_accuracy.json with --to-accuracy")
+    # --- side by side with the seed's raw DDP (vsddp.py) ---
+    vs_ddp: bool = _h(False, "instead: the same model, global batch (--batch-size, default the seed's 128) "
+                      "and steps under torchrun with --workers processes and under Ray Train with "
+                      "--workers workers, each with the seed's loop and with ours; steady img/s, launch to "
+                      "first step, peak memory per process, FLOP share, ratios")
+    workers: int = _h(1, "--vs-ddp: processes (torchrun) and workers (Ray Train); one GPU each on GPU")
+    repeats: int = _h(1, "--vs-ddp: passes over the four runs, interleaved; each keeps its pass with the "
+                      "least CPU used outside its processes (other jobs, the launcher's daemons)")
+    run_timeout_s: float = _h(1800.0, "--vs-ddp: give up on a torchrun run after this many seconds")
+    to_accuracy: float = _h(0.0, "--vs-ddp: instead of throughput, train the seed's recipe (torchrun) and "
+                            "--recipe fast (Ray Train) until this test accuracy or --budget-s each (0 = off)")
+    budget_s: float = _h(600.0, "--to-accuracy: time budget per recipe, seconds from its launch")
+    eval_every_images: int = _h(0, "--to-accuracy: evaluate every this many training images, for both "
+                                "recipes (0 = once per epoch)")
+    data: str = _h("synthetic", "--to-accuracy: dataset, as `train --data`", choices=DATASETS)
+    data_dir: str = _h("./data", "--to-accuracy: dataset folder (cifar10 / imagefolder)")
+    synthetic_train_size: int = _h(1024, "--to-accuracy: images in the synthetic train split")
+    synthetic_test_size: int = _h(256, "--to-accuracy: images in the synthetic test split")
+    ours_flags: str = _h("", "--to-accuracy: more `train` flags for our recipe, on top of --recipe fast "
+                         "(e.g. '--epochs 4 --batch-size 512')")
+    seed_flags: str = _h("", "--to-accuracy: more ray_job.peers.seed_ddp flags for the seed's recipe")
 
     def resolved(self, cuda: bool) -> BenchConfig:
         pick = (lambda gpu, cpu: gpu if cuda else cpu)
@@ -183,12 +214,38 @@ def bench_ray(cfg: BenchConfig, stem: str, cuda: bool) -> dict:
     return trainer.fit().return_value
 
 
+def add_flop_shares(report: dict, cuda: bool) -> None:
+    """The ceiling: each row's achieved FLOP/s as a share of the device's measured matmul peak."""
+    import torchvision
+
+    from .model import build_model
+    from .vsddp import flop_share, flops_per_image
+
+    cfg, peaks = report["config"], report["ceiling"]
+    _, bf16, _ = device_and_flags(cuda)
+    seed_flops = flops_per_image(torchvision.models.__dict__[cfg["model"]](weights=None))  # 1000-class head
+    report["seed"].update(precision="fp32", flops_per_image=seed_flops["train_step"],
+                          **flop_share(report["seed"]["images_per_s"], seed_flops["train_step"], peaks["fp32"]))
+    for stem in cfg["stems"].split(","):
+        flops = flops_per_image(build_model(cfg["model"], stem, 10))["train_step"]
+        for kind in ("compute", "fast", "ray"):
+            if kind in report[stem]:
+                row = report[stem][kind]
+                precision = "bf16" if bf16 else "fp32"
+                row.update(precision=precision, flops_per_image=flops,
+                           **flop_share(row["images_per_s"], flops, peaks.get(precision, peaks["fp32"])))
+
+
 def measure(cfg: BenchConfig) -> dict:
+    from .vsddp import device_peaks
+
     cuda = torch.cuda.is_available()
     cfg = cfg.resolved(cuda)
     report = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=torch.cuda.get_device_name() if cuda
                   else f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})",
-                  torch=torch.__version__, threads=torch.get_num_threads(), config=dataclasses.asdict(cfg))
+                  torch=torch.__version__, threads=torch.get_num_threads(), config=dataclasses.asdict(cfg),
+                  load_avg_before=list(os.getloadavg()))
+    report["ceiling"] = device_peaks(cuda, cfg.matmul_size)
     report["seed"] = bench_seed(cfg, cuda)
     for stem in cfg.stems.split(","):
         if stem not in ("imagenet", "cifar"):
@@ -201,17 +258,26 @@ def measure(cfg: BenchConfig) -> dict:
         if cfg.ray:
             entry["ray_vs_fast"] = entry["ray"]["images_per_s"] / entry["fast"]["images_per_s"]
         report[stem] = entry
+    add_flop_shares(report, cuda)
+    report["load_avg_after"] = list(os.getloadavg())
     return report
 
 
 def format_report(r: dict) -> str:
-    lines = [f"bench {r['date']} on {r['device']} (torch {r['torch']}, {r['threads']} threads)",
-             f"{'pipeline':<24}{'batch':>7}{'img/s':>11}{'data share':>12}{'peak GPU GiB':>14}{'peak host GiB':>15}"]
+    from .vsddp import format_peaks
+
+    lines = [f"bench {r['date']} on {r['device']} (torch {r['torch']}, {r['threads']} threads); load average "
+             f"{r['load_avg_before'][0]:.2f} -> {r['load_avg_after'][0]:.2f}",
+             format_peaks(r["ceiling"]),
+             f"{'pipeline':<24}{'batch':>7}{'img/s':>11}{'data share':>12}{'peak GPU GiB':>14}{'peak host GiB':>15}"
+             f"{'GFLOP/s':>10}{'of peak':>9}"]
 
     def row(name, m):
         gpu = f"{m['peak_gpu_mem_gib']:.2f}" if "peak_gpu_mem_gib" in m else "-"
+        share = "-" if m.get("flop_share") is None else f"{m['flop_share']:.1%}"
+        achieved = "-" if m.get("achieved_flops") is None else f"{m['achieved_flops'] / 1e9:,.1f}"
         lines.append(f"{name:<24}{m['batch']:>7}{m['images_per_s']:>11.1f}{m['data_share']:>11.0%}"
-                     f"{gpu:>14}{m['peak_host_mem_gib']:>15.2f}")
+                     f"{gpu:>14}{m['peak_host_mem_gib']:>15.2f}{achieved:>10}{share:>9}")
 
     row("seed (fp32, PIL, 1000)", r["seed"])
     for stem in r["config"]["stems"].split(","):
@@ -234,12 +300,24 @@ def main(argv: list[str]) -> int:
                             description=__doc__.split("\n\n")[0])
     add_dataclass_args(parser, BenchConfig)
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
-    cfg = dataclasses.replace(cfg, out=resolve_path(cfg.out))
-    if min(cfg.batch_size, cfg.steps, cfg.warmup, cfg.seed_steps) < 0:
+    default_out = ("results/bench_to_accuracy.json" if cfg.to_accuracy else
+                   "results/bench_vs_ddp.json" if cfg.vs_ddp else "results/bench.json")
+    cfg = dataclasses.replace(cfg, out=resolve_path(cfg.out or default_out), data_dir=resolve_path(cfg.data_dir))
+    if min(cfg.batch_size, cfg.steps, cfg.warmup, cfg.seed_steps, cfg.matmul_size, cfg.eval_every_images) < 0:
         raise UsageError("bench sizes must not be negative (0 picks the device's default)")
+    if cfg.repeats < 1:
+        raise UsageError("--repeats must be at least 1")
+    if cfg.to_accuracy and not cfg.vs_ddp:
+        raise UsageError("--to-accuracy is a mode of --vs-ddp: add --vs-ddp")
+    if not 0 <= cfg.to_accuracy <= 1:
+        raise UsageError(f"--to-accuracy is a test accuracy between 0 and 1, not {cfg.to_accuracy}")
+    os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
+    if cfg.vs_ddp:
+        from .vsddp import main as vs_ddp_main
+
+        return vs_ddp_main(cfg)
     report = measure(cfg)
     print(format_report(report))
-    os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
     write_json(cfg.out, report)
     print(f"written: {cfg.out}")
     return 0

@@ -111,8 +111,11 @@ class TrainConfig:
                            "forward-backward / optimizer split is exact (a little slower; `scale` "
                            "turns it on)", "speed", bool_flag=True)
     # --- results, checkpoints, fault tolerance ---
-    storage_path: str = _f("./results", "where runs are written (shared file system on multi-node "
-                           "clusters)", "results")
+    storage_path: str = _f("./results", "where runs are written: a folder (on a shared file system "
+                           "for multi-node clusters), or object storage: s3://BUCKET/PREFIX (AWS or "
+                           "S3-compatible; settings from AWS_ENDPOINT_URL_S3, AWS_REGION, "
+                           "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) or another "
+                           "pyarrow.fs URI", "results")
     name: str = _f("", "run name; a run with an existing name continues from its latest checkpoint "
                    "(default: ray_job_<data>_<model>_<hash of the flags>, so the same command continues the "
                    "same run)", "results")
@@ -121,6 +124,10 @@ class TrainConfig:
     max_failures: int = _f(2, "worker-group restarts (from the last checkpoint) before giving up",
                            "results")
     keep_checkpoints: int = _f(2, "checkpoints to keep, best by test accuracy", "results")
+    storage_wait: float = _f(120.0, "seconds to keep retrying the last checkpoint (end of the run or "
+                             "a stop request) and the run files while the storage fails; a "
+                             "checkpoint in between that cannot be saved is skipped and training "
+                             "goes on", "results")
     log_every: int = _f(10, "rank 0 prints a progress line every N steps, and at least every "
                         "10 s (0 = epoch lines only)", "results")
     progress: str = _f("auto", "progress display: a live bar (on a terminal), or plain lines (SLURM "
@@ -139,7 +146,8 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{_flag(name)} must be a positive number, got {getattr(self, name)}")
         non_negative = ("num_workers", "steps_per_epoch", "max_failures", "log_every", "lr",
-                        "momentum", "weight_decay", "label_smoothing", "warmup_epochs")
+                        "momentum", "weight_decay", "label_smoothing", "warmup_epochs",
+                        "storage_wait")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
@@ -186,7 +194,7 @@ class TrainConfig:
         import hashlib
 
         ignore = {"name", "storage_path", "address", "progress", "log_every", "epochs",
-                  "max_failures", "keep_checkpoints"}
+                  "max_failures", "keep_checkpoints", "storage_wait"}
         what = {k: v for k, v in sorted(self.to_dict().items()) if k not in ignore}
         digest = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
         return f"ray_job_{self.data}_{self.model}_{digest}"

@@ -1,10 +1,12 @@
 """The driver: checks inputs, connects to Ray, builds the TorchTrainer, runs it, summarises.
 
-Every check that can fail fast runs before any worker starts, so bad input costs seconds.
+Every check that can fail fast runs before any worker starts, so bad input costs seconds. The run
+folder (local or object storage) is reached through storage.py only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -12,13 +14,14 @@ import sys
 import time
 from typing import Optional
 
-from . import metrics, stop
+from . import metrics, stop, storage
 from .checkpoint import load_checkpoint
 from .config import TrainConfig, UsageError, _flag, choose_use_gpu, is_uri
 from .data import check_data
 from .ports import free_port
 from .runlog import (CONFIG_JSON, EVENTS_JSONL, METRICS_JSONL, SUMMARY_JSON, read_json, read_jsonl,
                      read_metrics, write_json)
+from .storage import StorageError
 
 log = logging.getLogger("ray_job.driver")
 EXIT_PREEMPTED = 3
@@ -42,16 +45,12 @@ def with_progress(cfg: TrainConfig) -> TrainConfig:
 
 
 def check_storage(cfg: TrainConfig) -> None:
-    root = cfg.storage_path
+    """--storage-path takes a write: a local folder, or object storage (endpoint reachable,
+    credentials accepted, bucket there, writes allowed), checked in seconds."""
     try:
-        os.makedirs(root, exist_ok=True)
-        probe = os.path.join(root, f".write_test_{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise UsageError(f"--storage-path {cfg.storage_path} is not writable ({e.strerror}); "
-                         f"choose a folder you can write to") from None
+        storage.check_writable(cfg.storage_path)
+    except StorageError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_resume_from(cfg: TrainConfig) -> None:
@@ -71,10 +70,12 @@ def check_sizes(cfg: TrainConfig, world: int) -> None:
 
 
 def finished_summary(cfg: TrainConfig) -> Optional[dict]:
-    path = os.path.join(cfg.run_dir(), SUMMARY_JSON)
-    if not os.path.exists(path):
+    try:
+        summary = read_json(storage.at(cfg.run_dir()).join(SUMMARY_JSON))
+    except FileNotFoundError:
         return None
-    summary = read_json(path)
+    except StorageError as e:
+        raise UsageError(f"cannot read the run's summary: {e}") from None
     done = summary.get("finished") and summary.get("epochs_completed", 0) >= cfg.epochs
     return summary if done else None
 
@@ -145,6 +146,10 @@ def build_trainer(cfg: TrainConfig):
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.use_gpu:
         resources["GPU"] = cfg.gpus_per_worker
+    # One filesystem for Ray's files too (its checkpoint snapshot, old checkpoints' deletion): built
+    # here from the AWS variables, pickled to the controller and the workers (which so need no
+    # copy of them), its calls retried for --storage-wait seconds.
+    root = storage.at(cfg.storage_path)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=cfg.to_dict(),
@@ -153,7 +158,8 @@ def build_trainer(cfg: TrainConfig):
                                      resources_per_worker=resources),
         run_config=RunConfig(
             name=cfg.name,
-            storage_path=cfg.storage_path,
+            storage_path=root.path,
+            storage_filesystem=storage.for_ray(root, cfg.storage_wait),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints,
                                                checkpoint_score_attribute="test_acc",
                                                checkpoint_score_order="max"),
@@ -198,13 +204,20 @@ def run_training(cfg: TrainConfig) -> int:
               f"accuracy {'-' if best is None else f'{best:.4f}'}); results in {cfg.run_dir()}. Use "
               f"a new --name, or more --epochs to continue it.")
         return 0
-    os.makedirs(cfg.run_dir(), exist_ok=True)
-    stop.clear(cfg.run_dir())  # a request left by the previous (requeued) run is done
-    stop.stop_on_usr1(cfg.run_dir())  # before Ray starts: a USR1 from now on is a request
+    run_dir = storage.at(cfg.run_dir())
+    try:
+        run_dir.makedirs()
+        stop.clear(run_dir)  # a request left by the previous (requeued) run is done
+    except StorageError as e:
+        raise UsageError(str(e)) from None
+    stop.stop_on_usr1(run_dir)  # before Ray starts: a USR1 from now on is a request
     connect(cfg)
     cfg = resolve_workers(cfg)
     check_sizes(cfg, cfg.num_workers)
-    write_json(os.path.join(cfg.run_dir(), CONFIG_JSON), cfg.to_dict())
+    try:
+        write_json(run_dir.join(CONFIG_JSON), cfg.to_dict())
+    except StorageError as e:
+        raise UsageError(str(e)) from None
     print("config:\n" + cfg.to_json(), flush=True)
     return fit_and_summarise(cfg, started)
 
@@ -216,19 +229,31 @@ def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
         result = build_trainer(cfg).fit()
     except TrainingFailedError as e:
         reason = " ".join(str(e).split())[:300]  # one line: the error's own text, whitespace folded
-        write_summary(cfg, started, finished=False, error=reason)
+        if isinstance(getattr(e, "controller_failure", None), OSError):
+            # Ray's controller could not write its record of checkpoints (after --storage-wait)
+            reason = " ".join(str(e.controller_failure).split())[:300]
+            return storage_failed(cfg, started, f"Ray could not record the checkpoints ({reason})",
+                                  None)
+        with contextlib.suppress(StorageError):  # the failure may be the storage's own
+            write_summary(cfg, started, finished=False, error=reason)
         print(f"error: training failed after {cfg.max_failures} restart(s): {reason} (worker logs "
               f"above; --max-failures allows more restarts)", file=sys.stderr)
         return 1
     outcome = result.return_value or {}
     if outcome.get("usage_error"):  # bad input that only the workers could see: exit 2, one line
         raise UsageError(outcome["usage_error"])
+    root = storage.at(cfg.storage_path)
     best = result.get_best_checkpoint("test_acc", "max") if result.best_checkpoints else None
+    best, latest = (root.at_path(c.path).uri if c else None for c in (best, result.checkpoint))
+    if outcome.get("storage_error"):
+        return storage_failed(cfg, started, outcome["storage_error"], latest)
     preempted = bool(outcome.get("preempted"))
-    summary = write_summary(cfg, started, finished=not preempted,
-                            best_checkpoint=best.path if best else None,
-                            latest_checkpoint=result.checkpoint.path if result.checkpoint else None)
-    print(summary_table(cfg))
+    try:
+        summary = write_summary(cfg, started, finished=not preempted, best_checkpoint=best,
+                                latest_checkpoint=latest)
+        print(summary_table(cfg))
+    except StorageError as e:
+        return storage_failed(cfg, started, str(e), latest)
     if preempted:
         print(f"stopped on request at epoch {outcome['epoch'] + 1} step {outcome['step']}; checkpoint "
               f"saved. Run the same command again to continue.")
@@ -239,9 +264,20 @@ def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
     return 0
 
 
+def storage_failed(cfg: TrainConfig, started: float, error: str, latest: Optional[str]) -> int:
+    """The storage failed at the end (after --storage-wait): say what was saved, exit 1."""
+    with contextlib.suppress(StorageError):
+        write_summary(cfg, started, finished=False, error=error, latest_checkpoint=latest)
+    saved = f"Last checkpoint saved: {latest}" if latest else "Ray keeps the last checkpoint it recorded"
+    print(f"error: storage failed: {error}. {saved}; once the storage works again, run the same "
+          f"command: it continues from there", file=sys.stderr)
+    return 1
+
+
 def write_summary(cfg: TrainConfig, started: float, finished: bool, **extra) -> dict:
-    rows = read_metrics(os.path.join(cfg.run_dir(), METRICS_JSONL))
-    events = read_jsonl(os.path.join(cfg.run_dir(), EVENTS_JSONL))
+    run_dir = storage.at(cfg.run_dir())
+    rows = read_metrics(run_dir.join(METRICS_JSONL))
+    events = read_jsonl(run_dir.join(EVENTS_JSONL))
     first = [e["time"] for e in events if e["event"] == "first_step" and e["time"] >= started]
     last = rows[-1] if rows else None
     summary = dict(name=cfg.name, run_dir=cfg.run_dir(), finished=finished,
@@ -252,9 +288,9 @@ def write_summary(cfg: TrainConfig, started: float, finished: bool, **extra) -> 
                    # first training step to the last evaluation, as in time-to-accuracy benchmarks
                    train_wall_s=(last.time - first[0]) if first and last else None,
                    num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, **extra)
-    write_json(os.path.join(cfg.run_dir(), SUMMARY_JSON), summary)
+    write_json(run_dir.join(SUMMARY_JSON), summary)
     return summary
 
 
 def summary_table(cfg: TrainConfig) -> str:
-    return metrics.table(read_metrics(os.path.join(cfg.run_dir(), METRICS_JSONL)))
+    return metrics.table(read_metrics(storage.at(cfg.run_dir()).join(METRICS_JSONL)))

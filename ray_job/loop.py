@@ -1,7 +1,16 @@
 """The per-worker training function that TorchTrainer runs on every rank.
 
-Ray appears only where it must: prepare_model, prepare_data_loader, get_context, get_checkpoint and
-report. Everything else is plain PyTorch from engine.py, data.py and checkpoint.py.
+Ray appears only where it must: prepare_model, prepare_data_loader, get_context (also for the run's
+storage: the filesystem object the driver gave Ray, so workers need no credentials of their own),
+get_checkpoint and report. Everything else is plain PyTorch from engine.py, data.py and
+checkpoint.py, and the run folder is reached through storage.py (a local folder or object storage).
+
+Storage faults: rank 0 copies each checkpoint to the run folder itself before `report`, so one that
+cannot be saved (storage unreachable, disk full) is logged and skipped -- never reported, so never
+taken as the latest -- and training goes on; the next checkpoint tries again, and the run files
+catch up once the storage is back. The last checkpoint (end of run, stop request) is retried for up
+to --storage-wait seconds; if it still fails, the run ends with that error and the same command
+later resumes from the last checkpoint that was saved.
 """
 
 from __future__ import annotations
@@ -21,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .checkpoint import load_checkpoint, restore_training_state, save_checkpoint
+from . import storage
+from .checkpoint import load_checkpoint, restore_training_state, save_checkpoint, upload_checkpoint
 from .config import Speed, TrainConfig, UsageError
 from .data import DeviceAugment, Split, build_dataset, load_splits
 from .engine import EpochStats, evaluate, global_sums, measure_comm_wait, peak_rss_gib, train_epoch
@@ -29,7 +39,7 @@ from .metrics import EpochMetrics
 from .model import build_model, gradient_bytes, unwrap
 from .optim import build_optimizer, build_scheduler
 from .progress import Progress
-from .runlog import TOPOLOGY_JSON, RunLog, finite, write_json
+from .runlog import TOPOLOGY_JSON, RunLog, finite
 from .stop import StopPoller
 
 log = logging.getLogger("ray_job")
@@ -62,14 +72,22 @@ class Resume:
     state: Optional[dict] = None
 
 
-def find_resume_state(cfg: TrainConfig, world_size: int) -> Resume:
+def run_store(cfg: TrainConfig) -> storage.Location:
+    """The run folder on the filesystem Ray was given (RunConfig.storage_filesystem), without the
+    retries wrapped around it for Ray's own files: rank 0's files keep their own policy."""
+    ctx = ray.train.get_context().get_storage()
+    return storage.Location(storage.unwrap(ctx.storage_filesystem), ctx.experiment_fs_path,
+                            cfg.run_dir())
+
+
+def find_resume_state(cfg: TrainConfig, world_size: int, store: storage.Location) -> Resume:
     """Ray's latest checkpoint of this run first, else --resume-from, else a fresh start."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             state = load_checkpoint(d)
     elif cfg.resume_from:
-        state = load_checkpoint(cfg.resume_from)
+        state = load_checkpoint(cfg.resume_from, near=store)
     else:
         return Resume()
     # A mid-epoch position only makes sense with the same sharding; otherwise redo that epoch.
@@ -134,6 +152,7 @@ class Run:
     world: int
     steps_per_epoch: int
     is_rank0: bool
+    store: storage.Location  # the run folder
     files: Optional[RunLog]  # rank 0's writer of the run folder; None elsewhere
 
     def state(self, epoch: int, step: int, metrics: Optional[EpochMetrics]) -> dict:
@@ -164,8 +183,8 @@ def log_topology(run: Run, backend: str) -> None:
              len(nodes), backend, master)
     for w in everyone:
         log.info("  rank %(rank)d -> %(hostname)s (%(node_ip)s) local rank %(local_rank)d %(device)s", w)
-    write_json(run.files.path(TOPOLOGY_JSON), dict(world_size=len(everyone), num_nodes=len(nodes),
-                                                   backend=backend, master=master, workers=everyone))
+    run.files.write_json(TOPOLOGY_JSON, dict(world_size=len(everyone), num_nodes=len(nodes),
+                                             backend=backend, master=master, workers=everyone))
 
 
 def epoch_metrics(run: Run, epoch: int, train: EpochStats, test: EpochStats,
@@ -193,15 +212,43 @@ def epoch_metrics(run: Run, epoch: int, train: EpochStats, test: EpochStats,
         comm_wait_s_per_step=comm_wait)
 
 
-def report(run: Run, metrics: dict, state: Optional[dict]) -> None:
-    """Every rank calls report (it is a barrier); only rank 0 writes and passes a checkpoint."""
-    metrics = finite(metrics)
-    if not run.is_rank0 or state is None:
-        ray.train.report(metrics, checkpoint=None)
-        return
+def report(run: Run, metrics: dict, state: Optional[dict], last: bool = False) -> Optional[str]:
+    """Every rank calls report (it is a barrier); only rank 0 saves a checkpoint and passes it.
+
+    Rank 0 copies the checkpoint to the run folder first and reports it only once it is complete.
+    One that cannot be saved is skipped (training goes on); the `last` one is retried for up to
+    --storage-wait seconds, and its error is returned if it still fails."""
+    checkpoint, error = None, None
+    if run.is_rank0 and state is not None:
+        checkpoint, error = save_to_storage(run, state, run.cfg.storage_wait if last else 0.0)
+    ray.train.report(finite(metrics), checkpoint=checkpoint,
+                     checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+    return error if last else None
+
+
+def save_to_storage(run: Run, state: dict, wait_s: float) -> tuple[Optional[Any], Optional[str]]:
+    """(the saved checkpoint for Ray, None) or (None, why it could not be saved)."""
+    dest = run.store.join(ray.train.get_context().get_storage().make_default_checkpoint_dir_name())
     with tempfile.TemporaryDirectory() as d:
         save_checkpoint(d, **state)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+        nbytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+        started = time.perf_counter()
+        try:
+            upload_checkpoint(d, dest, wait_s)
+        except storage.StorageError as e:
+            where = (f"epoch {state['epoch'] + 1} step {state['step']}" if state["step"]
+                     else f"the end of epoch {state['epoch']}")
+            log.warning("checkpoint at %s NOT saved: %s%s", where, e,
+                        "" if wait_s else "; training goes on, the next checkpoint tries again")
+            run.files.event("checkpoint_failed", epoch=state["epoch"], step=state["step"],
+                            error=str(e))
+            return None, f"the checkpoint at {where} was not saved: {e}"
+    upload_s = time.perf_counter() - started
+    run.files.event("checkpoint_saved", checkpoint=dest.uri.rsplit("/", 1)[-1], epoch=state["epoch"],
+                    step=state["step"], bytes=nbytes, upload_s=upload_s)
+    # on Ray's own filesystem object: a checkpoint it manages (keeps, deletes, hands back)
+    return ray.train.Checkpoint(path=dest.path,
+                                filesystem=ray.train.get_context().get_storage().storage_filesystem), None
 
 
 def train_loop_per_worker(config: dict) -> dict:
@@ -214,9 +261,10 @@ def train_loop_per_worker(config: dict) -> dict:
     # Bad input found here (data, checkpoint) is no fault a restart fixes: every rank learns of
     # it before the first collective of DDP, and the run ends at once with the driver's error.
     error, splits, resume = None, None, Resume()
+    store = run_store(cfg)
     try:
         splits = load_splits(cfg)
-        resume = find_resume_state(cfg, world)
+        resume = find_resume_state(cfg, world, store)
     except UsageError as e:
         error = str(e)
     error = first_error(error, world)
@@ -240,7 +288,8 @@ def train_loop_per_worker(config: dict) -> dict:
     if cfg.compile:
         model = torch.compile(model)
     run = Run(cfg, model, optimizer, scheduler, train_loader, test_loader, device, speed, world,
-              steps_per_epoch, is_rank0=rank == 0, files=RunLog(cfg.run_dir()) if rank == 0 else None)
+              steps_per_epoch, is_rank0=rank == 0, store=store,
+              files=RunLog(store) if rank == 0 else None)
     log_topology(run, dist.get_backend() if dist.is_initialized() else "none (1 worker)")
     return fit_epochs(run, resume)
 
@@ -266,9 +315,9 @@ def fit_epochs(run: Run, resume: Resume) -> dict:
     eval_loss = torch.nn.CrossEntropyLoss()
     if run.is_rank0:
         announce(run, resume)
-    should_stop = StopPoller(cfg.run_dir(), run.is_rank0, run.device)
+    should_stop = StopPoller(run.store, run.is_rank0, run.device)
     last: Optional[EpochMetrics] = None
-    comm_wait = None
+    comm_wait, error = None, None
     for epoch in range(resume.epoch, cfg.epochs):
         if isinstance(getattr(run.train_loader, "sampler", None), DistributedSampler):
             run.train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
@@ -291,9 +340,9 @@ def fit_epochs(run: Run, resume: Resume) -> dict:
         if stats.stopped_early:  # a stop was requested: save where we are and stop
             pos = skip + stats.steps
             log.info("stop requested: checkpoint at epoch %d step %d, stopping", epoch + 1, pos)
-            report(run, dict(epoch=epoch, step=pos, preempted=True, test_acc=-1.0),
-                   run.state(epoch, pos, last))
-            return {"preempted": True, "epoch": epoch, "step": pos}
+            error = report(run, dict(epoch=epoch, step=pos, preempted=True, test_acc=-1.0),
+                           run.state(epoch, pos, last), last=True)
+            return finish(run, should_stop, {"preempted": True, "epoch": epoch, "step": pos}, error)
         if comm_wait is None and run.world > 1 and cfg.steps_per_epoch:
             comm_wait = measure_comm_wait(run.model, next(iter(run.train_loader)), loss_fn,
                                           preprocess, run.device, run.speed.bf16)
@@ -302,10 +351,22 @@ def fit_epochs(run: Run, resume: Resume) -> dict:
         if run.is_rank0:
             run.files.epoch(last)
             log.info(last.line())
-        report(run, last.to_dict(), run.state(epoch + 1, 0, last))
-        if should_stop.finish() and epoch + 1 < cfg.epochs:  # asked during the epoch's last steps
+        # asked during the epoch's last steps: this epoch's checkpoint is the one to stop with
+        stopping = should_stop.finish() and epoch + 1 < cfg.epochs
+        error = report(run, last.to_dict(), run.state(epoch + 1, 0, last),
+                       last=stopping or epoch + 1 == cfg.epochs)
+        if stopping:
             log.info("stop requested: checkpoint at the end of epoch %d, stopping", epoch + 1)
-            return {"preempted": True, "epoch": epoch + 1, "step": 0}
+            return finish(run, should_stop, {"preempted": True, "epoch": epoch + 1, "step": 0}, error)
+    return finish(run, should_stop, {"preempted": False, "epoch": cfg.epochs}, error)
+
+
+def finish(run: Run, should_stop: StopPoller, outcome: dict, error: Optional[str]) -> dict:
+    """The loop's result; rank 0 writes the run files that are left and adds a storage error."""
+    should_stop.close()
     if run.is_rank0:
-        run.files.close()
-    return {"preempted": False, "epoch": cfg.epochs}
+        unwritten = run.files.close(0.0 if error else run.cfg.storage_wait)
+        error = error or unwritten
+        if error:
+            outcome["storage_error"] = error
+    return outcome

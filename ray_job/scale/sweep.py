@@ -15,7 +15,7 @@ import shlex
 import time
 from typing import Any, Optional
 
-from .. import stop
+from .. import stop, storage
 from ..config import TrainConfig, UsageError, choose_use_gpu
 from ..launch import (EXIT_PREEMPTED, check_storage, connect, finished_summary, run_training,
                       with_default_name)
@@ -28,7 +28,7 @@ from .report import write_outputs
 log = logging.getLogger("ray_job.scale")
 # Config fields that may differ between two runs of the same point: the address changes with every
 # SLURM job, and `train` turns --progress auto into bar or lines.
-REUSE_IGNORES = ("address", "progress")
+REUSE_IGNORES = ("address", "progress", "storage_wait")
 
 
 def run_sweep(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Link],
@@ -37,8 +37,11 @@ def run_sweep(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Lin
     cfg = with_default_name(cfg.with_resolved_paths())  # before any point config is built
     check_storage(cfg)
     sweep_dir = cfg.run_dir()
-    os.makedirs(sweep_dir, exist_ok=True)
-    stop.clear(sweep_dir)
+    try:
+        storage.at(sweep_dir).makedirs()
+        stop.clear(sweep_dir)
+    except storage.StorageError as e:
+        raise UsageError(str(e)) from None
     stop.stop_on_usr1(sweep_dir)  # what slurm_ray_start.sh sends before the time limit
     connect(cfg)
     cluster = cluster_info()
@@ -145,24 +148,25 @@ def finished_point(point: TrainConfig) -> bool:
 
     An unfinished point folder is moved aside: resuming it would time only part of the work.
     """
-    d = point.run_dir()
-    if not os.path.isdir(d):
+    d = storage.at(point.run_dir())
+    if not d.is_dir():
         return False
     if finished_summary(point) is not None:
-        saved = read_json(os.path.join(d, CONFIG_JSON))
+        saved = read_json(d.join(CONFIG_JSON))
         if {k: v for k, v in saved.items() if k not in REUSE_IGNORES} != \
                 {k: v for k, v in point.to_dict().items() if k not in REUSE_IGNORES}:
-            raise UsageError(f"{d} holds a finished point run with other flags; use a new --name")
+            raise UsageError(f"{d.uri} holds a finished point run with other flags; use a new --name")
         return True
-    aside = f"{d}.interrupted-{time.strftime('%Y%m%d_%H%M%S')}"
-    log.warning("scale: moving the unfinished point %s aside to %s and running it again", d, aside)
-    os.replace(d, aside)
+    aside = storage.at(f"{d.uri}.interrupted-{time.strftime('%Y%m%d_%H%M%S')}", near=d)
+    log.warning("scale: moving the unfinished point %s aside to %s and running it again", d.uri,
+                aside.uri)
+    d.move_to(aside)
     return False
 
 
 def measurements(point: TrainConfig) -> dict:
     """The timing columns of one finished run, from its summary.json (last epoch's metrics)."""
-    summary = read_json(os.path.join(point.run_dir(), SUMMARY_JSON))
+    summary = read_json(storage.at(point.run_dir()).join(SUMMARY_JSON))
     if summary.get("final") is None:
         return dict(status="failed", reason=f"{point.run_dir()}/{SUMMARY_JSON} has no finished epoch")
     m = EpochMetrics.from_dict(summary["final"])

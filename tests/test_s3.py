@@ -1,0 +1,429 @@
+"""Runs on object storage, against a real S3 server (SeaweedFS `weed mini`, tests/s3_server.py):
+`--storage-path s3://...` from a user's folder (a stop request on SIGUSR1, the same command
+continuing, every run file in the bucket, listed through the S3 API), "already finished",
+`--resume-from s3://...`, one-line errors in seconds for bad storage, a
+sweep's files on S3, storage faults (the server stopped during training; a full local disk), and a
+`ray job submit` job whose credentials come from the cluster's environment.
+
+Fault behaviour chosen: training keeps going. A checkpoint that cannot be saved is logged and
+skipped (never reported to Ray, so never the latest), the run files catch up once the storage is
+back, and the last checkpoint is retried for --storage-wait seconds; if it still fails, the run
+ends with one `error:` line (exit 1) and the same command later resumes from the last checkpoint
+that was saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY
+
+pytestmark = pytest.mark.timeout(600)
+
+RUN_FILES = ("metrics.jsonl", "metrics.csv", "events.jsonl", "topology.json", "config.json",
+             "summary.json")
+
+
+def strict(text: str):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def jsonl(server, key: str) -> list[dict]:
+    return [strict(line) for line in server.read(key).decode().splitlines() if line.strip()]
+
+
+def user_env(server, **overrides: str) -> dict:
+    """A user's shell with the AWS variables of the README (and the repo importable)."""
+    env = {k: v for k, v in server.env(**overrides).items()
+           if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env["PYTHONPATH"] = ROOT
+    return env
+
+
+def train(cwd, env, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ray_job", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+class Running:
+    """`python -m ray_job train` in the background, its output collected line by line."""
+
+    def __init__(self, cwd, env, *args: str):
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "ray_job", "train", *args], cwd=cwd,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, what, timeout: float = 300, every: float = 0.3) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.out[-4000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting:\n{self.out[-4000:]}"
+            time.sleep(every)
+
+    def finish(self, timeout: float = 400) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        self._reader.join(10)
+        return rc
+
+
+def checkpoints(server, prefix: str) -> list[str]:
+    return sorted({k.split("/")[0] for k in server.keys(prefix)
+                   if k.startswith("checkpoint_") and k.endswith("/checkpoint.pt")})
+
+
+def one_error_line(text: str) -> str:
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, text[-3000:]
+    return errors[0]
+
+
+@pytest.fixture
+def user_dir(tmp_path):
+    home = tmp_path / "me"
+    home.mkdir()
+    return home
+
+
+# --- the README road ----------------------------------------------------------------------------
+
+def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir):
+    """The README's road: SIGUSR1 mid-epoch (the request goes into the bucket), the same command
+    continues at that step and finishes, every run file is in the bucket, a third run says
+    finished. (--resume-from s3://... is in the storage fault test below.)"""
+    env = user_env(s3)
+    storage = s3.uri("seat")
+    args = [*TINY, "--synthetic-train-size", "2048", "--storage-path", storage, "--name", "run",
+            "--num-workers", "2", "--epochs", "1"]
+    first = Running(user_dir, env, *args)
+    first.wait_for(lambda: "events.jsonl" in s3.keys("seat/run"))
+    first.proc.send_signal(signal.SIGUSR1)  # what slurm_ray_start.sh sends before the time limit
+    assert first.finish() == 3, first.out[-4000:]
+    assert "Run the same command again to continue" in first.out
+
+    proc = train(user_dir, env, *args)
+    out = first.out + proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert f"results: {storage}/run" in proc.stdout
+    events = jsonl(s3, "seat/run/events.jsonl")
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["epoch"] == 0 and 0 < resumed[0]["step"] < 32, events
+    assert ".preempt" not in s3.keys("seat/run")  # the request was cleared by the second start
+
+    keys = s3.keys("seat/run")
+    for name in RUN_FILES:
+        assert name in keys, keys
+    assert any(k.startswith("tensorboard/events.out.tfevents.") for k in keys), keys
+    assert not os.listdir(user_dir), os.listdir(user_dir)  # nothing written locally
+    for key in keys:  # every JSON file parses strictly
+        if key.endswith(".jsonl"):
+            jsonl(s3, f"seat/run/{key}")
+        elif key.endswith(".json"):
+            strict(s3.read(f"seat/run/{key}").decode())
+    assert strict(s3.read("seat/run/config.json").decode())["storage_path"] == storage
+    summary = strict(s3.read("seat/run/summary.json").decode())
+    latest = summary["latest_checkpoint"]
+    assert summary["finished"] and latest.startswith(f"{storage}/run/checkpoint_")
+    assert latest.rsplit("/", 1)[-1] in checkpoints(s3, "seat/run")
+    assert [r["epoch"] for r in jsonl(s3, "seat/run/metrics.jsonl")] == [1]
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert len(saved) == 2 and saved[0]["bytes"] > 40e6 and saved[0]["upload_s"] > 0
+    # the credentials appear nowhere: not in what was printed, not in any text file in the bucket
+    assert s3.secret not in out and s3.key_id not in out
+    for key in keys:
+        if not key.endswith(".pt"):
+            assert s3.secret.encode() not in s3.read(f"seat/run/{key}")
+
+    # the same command again: finished, read from the bucket, no Ray started
+    again = train(user_dir, env, *args, timeout=120)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "already finished 1 epochs" in again.stdout and "config:" not in again.stdout
+
+
+# --- fail fast ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["wrong secret", "unknown key", "missing bucket", "dead endpoint",
+                                  "read-only user", "secret in the URI"])
+def test_bad_storage_fails_in_seconds_with_one_line(s3, user_dir, case):
+    from ray_job.ports import free_port
+
+    uri, env = s3.uri("bad"), {}
+    if case == "wrong secret":
+        env = dict(AWS_SECRET_ACCESS_KEY="not-the-secret")
+    elif case == "unknown key":
+        env = dict(AWS_ACCESS_KEY_ID="nobody")
+    elif case == "missing bucket":
+        uri = "s3://no-such-bucket/runs"
+    elif case == "dead endpoint":
+        env = dict(AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    elif case == "read-only user":
+        env = dict(AWS_ACCESS_KEY_ID=s3.reader_key_id, AWS_SECRET_ACCESS_KEY=s3.reader_secret)
+    else:
+        uri = uri + f"?access_key={s3.key_id}&secret_key={s3.secret}"
+    started = time.monotonic()
+    proc = train(user_dir, user_env(s3, **env), *TINY, "--storage-path", uri, "--name", "x",
+                 timeout=120)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    line = one_error_line(proc.stderr)
+    words = {"wrong secret": "refused the credentials", "unknown key": "refused the credentials",
+             "missing bucket": "does not exist", "dead endpoint": "cannot reach",
+             "read-only user": "no permission to write", "secret in the URI": "not in the URI"}
+    assert words[case] in line, line
+    assert "config:" not in proc.stdout and "worker group" not in proc.stderr  # no Ray started
+    assert s3.secret not in proc.stdout + proc.stderr and "not-the-secret" not in line
+    print(f"{case}: exit 2 after {elapsed:.1f} s: {line}")
+    assert elapsed < 60
+
+
+def test_settings_from_a_profile_and_the_endpoint_variables(s3, tmp_path):
+    """AWS_PROFILE with a credentials file (no key variables); AWS_ENDPOINT_URL as the fallback."""
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[rjtest]\naws_access_key_id = {s3.key_id}\n"
+                     f"aws_secret_access_key = {s3.secret}\n")
+    env = {k: v for k, v in s3.env().items()
+           if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3")}
+    env.update(AWS_PROFILE="rjtest", AWS_SHARED_CREDENTIALS_FILE=str(creds),
+               AWS_ENDPOINT_URL=s3.endpoint, AWS_EC2_METADATA_DISABLED="true", PYTHONPATH=ROOT)
+    check = [sys.executable, "-m", "ray_job.storage", "check", s3.uri("profile")]
+    proc = subprocess.run(check, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "writable" in proc.stdout, proc.stderr
+    env["AWS_PROFILE"] = "nobody"
+    proc = subprocess.run(check, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "AWS_PROFILE=nobody" in one_error_line(proc.stderr)
+
+    from ray_job.storage import S3Settings
+
+    settings = S3Settings.from_env(s3.env())
+    assert settings.endpoint == s3.endpoint.split("://")[1] and settings.scheme == "http"
+    assert s3.secret not in repr(settings) and s3.secret not in settings.credentials()
+
+
+def test_a_sweep_writes_its_points_and_report_to_s3(s3, monkeypatch, capsys):
+    """The sweep's own file I/O on S3 (no Ray: `train` is a stand-in that writes a finished run):
+    the report's four files, reuse of finished points, an unfinished point moved aside."""
+    from ray_job import storage
+    from ray_job.metrics import EpochMetrics
+    from ray_job.runlog import write_json
+    from ray_job.scale import main, sweep
+
+    for k, v in s3.env().items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    fields = {f: 1.0 for f in EpochMetrics.__dataclass_fields__}
+    final = {**fields, "epoch": 1, "epochs": 1, "steps": 6, "world_size": 1, "grad_bytes": 1000,
+             "train_images": 384, "test_images": 256}
+    trained = []
+
+    def fake_training(point):
+        trained.append(point.name)
+        d = storage.at(point.run_dir())
+        write_json(d.join("config.json"), point.to_dict())
+        write_json(d.join("summary.json"), dict(finished=True, epochs_completed=1, final=final,
+                                                wall_s=9.0, time_to_first_step_s=2.0))
+        return 0
+
+    monkeypatch.setattr(sweep, "connect", lambda cfg: None)
+    monkeypatch.setattr(sweep, "cluster_info", lambda: dict(nodes=1, cpus=2, gpus=0))
+    monkeypatch.setattr(sweep, "run_training", fake_training)
+    storage.at(s3.uri("sweeps/s/strong_w2/events.jsonl")).write_text("{}\n")  # an unfinished point
+    argv = ["--workers", "1,2", "--mode", "strong", *TINY, "--no-gpu", "--storage-path",
+            s3.uri("sweeps"), "--name", "s"]
+    assert main(argv) == 0
+    keys = s3.keys("sweeps/s")
+    for name in ("scaling.json", "scaling.csv", "scaling.md", "scaling.png"):
+        assert name in keys, keys
+    assert s3.read("sweeps/s/scaling.png")[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = strict(s3.read("sweeps/s/scaling.json").decode())["rows"]
+    assert [(r["workers"], r["status"]) for r in rows] == [(1, "ok"), (2, "ok")]
+    assert any(k.startswith("strong_w2.interrupted-") for k in keys), keys
+    assert trained == ["w1", "strong_w2"]
+    assert main(argv) == 0 and trained == ["w1", "strong_w2", "w1", "strong_w2"]  # train says done
+    rows = strict(s3.read("sweeps/s/scaling.json").decode())["rows"]
+    assert all(r["reason"].startswith("reused") for r in rows), rows
+    capsys.readouterr()
+
+
+# --- storage faults -----------------------------------------------------------------------------
+
+FAULT = [*TINY, "--num-workers", "1", "--synthetic-train-size", "1536", "--log-every", "0"]
+
+
+def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir):
+    """Stopped after epoch 1's checkpoint, started again once epoch 2's checkpoint has failed: the
+    run finishes, epoch 3's checkpoint is saved, and every file has caught up."""
+    env = user_env(s3)
+    run = Running(user_dir, env, *FAULT, "--storage-path", s3.uri("fault"), "--name", "a",
+                  "--epochs", "3")
+    run.wait_for(lambda: checkpoints(s3, "fault/a"), every=0.5)
+    s3.stop()
+    down = time.monotonic()
+    run.wait_for(lambda: "NOT saved" in run.out)
+    s3.start()
+    print(f"\nS3 server down for {time.monotonic() - down:.1f} s during epoch 2")
+    rc = run.finish()
+    assert rc == 0, run.out[-4000:]
+    assert "training goes on" in run.out and "caught up" in run.out, run.out[-4000:]
+    assert [r["epoch"] for r in jsonl(s3, "fault/a/metrics.jsonl")] == [1, 2, 3]
+    events = jsonl(s3, "fault/a/events.jsonl")
+    assert [e["epoch"] for e in events if e["event"] == "checkpoint_saved"] == [1, 3]
+    assert [e["epoch"] for e in events if e["event"] == "checkpoint_failed"] == [2]
+    summary = strict(s3.read("fault/a/summary.json").decode())
+    assert summary["finished"] and summary["epochs_completed"] == 3
+    from ray_job.checkpoint import load_checkpoint
+    from ray_job.storage import Location
+
+    latest = summary["latest_checkpoint"].split("://", 1)[1]
+    assert load_checkpoint(Location(s3.client(), latest, summary["latest_checkpoint"]))["epoch"] == 3
+    assert len(checkpoints(s3, "fault/a")) == 2  # epochs 1 and 3: nothing half-written left
+
+
+def seed_checkpoint(server, prefix: str, epoch: int) -> str:
+    """A checkpoint of the tiny model written straight into the bucket (no Ray); its URI."""
+    import torch
+
+    from ray_job import storage
+    from ray_job.checkpoint import save_checkpoint, upload_checkpoint
+    from ray_job.cli import parse_train_args
+    from ray_job.model import build_model
+    from ray_job.optim import build_optimizer
+
+    cfg = parse_train_args(TINY)
+    model = build_model(cfg.model, cfg.stem, 10)
+    optimizer = build_optimizer(model, cfg, 1, torch.device("cpu"))
+    dest = storage.Location(server.client(), f"{server.bucket}/{prefix}", server.uri(prefix))
+    with tempfile.TemporaryDirectory() as d:
+        save_checkpoint(d, model=model, optimizer=optimizer, epoch=epoch, step=0,
+                        config=cfg.to_dict(), metrics={}, world_size=1)
+        upload_checkpoint(d, dest)
+    return dest.uri
+
+
+def test_server_down_at_the_end_fails_clearly_then_the_same_command_resumes(s3, user_dir):
+    """A run from --resume-from s3://... (epoch 1 done) to epoch 3; the server is stopped once
+    epoch 2's checkpoint is saved and recorded, and is not back before the end: the last checkpoint
+    waits --storage-wait seconds, then one error line, exit 1. Later the same command resumes
+    from epoch 2's checkpoint (Ray's latest wins over --resume-from; a partly written checkpoint
+    planted beside it is not taken) and finishes."""
+    seed = seed_checkpoint(s3, "seeds/checkpoint_seed", epoch=1)
+    env = user_env(s3)
+    args = [*FAULT, "--storage-path", s3.uri("fault"), "--name", "b", "--epochs", "3",
+            "--resume-from", seed, "--storage-wait", "2"]
+    run = Running(user_dir, env, *args)
+    run.wait_for(lambda: checkpoints(s3, "fault/b") and  # and recorded by Ray
+                 "checkpoint_manager_snapshot.json" in s3.keys("fault/b"), every=0.5)
+    (first,) = checkpoints(s3, "fault/b")
+    s3.stop()
+    rc = run.finish()
+    assert rc == 1, run.out[-4000:]
+    line = one_error_line(run.out)
+    assert "end of epoch 3 was not saved" in line, line
+    assert f"Last checkpoint saved: {s3.uri('fault/b')}/{first}" in line, line
+
+    s3.start()
+    assert strict(s3.read("fault/b/config.json").decode())["resume_from"] == seed
+    with s3.client().open_output_stream(f"{s3.bucket}/fault/b/checkpoint_2999-01-01_00-00-00.000000/"
+                                        "checkpoint.pt") as f:
+        f.write(b"PK\x03\x04 half a checkpoint")  # newer by name, but Ray never recorded it
+    again = train(user_dir, env, *args)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    events = jsonl(s3, "fault/b/events.jsonl")
+    assert [(e["epoch"], e["step"]) for e in events if e["event"] == "resumed"] == [(1, 0), (2, 0)]
+    assert [r["epoch"] for r in jsonl(s3, "fault/b/metrics.jsonl")] == [2, 3]
+    assert strict(s3.read("fault/b/summary.json").decode())["finished"]
+
+
+def test_full_local_disk_fails_the_checkpoint_and_the_previous_one_stays(user_dir, tmp_path):
+    """A local --storage-path on a small tmpfs: epoch 1's checkpoint (~90 MB) fits, epoch 2's does
+    not. One error line naming the disk, exit 1; epoch 1's checkpoint still loads; no partial
+    checkpoint is left."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = Path(tempfile.mkdtemp(prefix="rjfull", dir="/tmp"))
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=140m", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        shutil.rmtree(mnt, ignore_errors=True)
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_ADDRESS"))}
+        env["PYTHONPATH"] = ROOT
+        proc = train(user_dir, env, *FAULT, "--synthetic-train-size", "512", "--storage-path",
+                     str(mnt), "--name", "full", "--epochs", "2", "--storage-wait", "2")
+        assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
+        line = one_error_line(proc.stderr)
+        assert "No space left on device" in line and "was not saved" in line, line
+        run_dir = mnt / "full"
+        folders = [d for d in run_dir.glob("checkpoint_*") if d.is_dir()]
+        complete = [d for d in folders if (d / "checkpoint.pt").exists()]
+        assert len(complete) == len(folders) == 1, folders
+        from ray_job.checkpoint import load_checkpoint
+
+        assert load_checkpoint(str(complete[0]))["epoch"] == 1
+        assert f"Last checkpoint saved: {complete[0]}" in line
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        shutil.rmtree(mnt, ignore_errors=True)
+
+
+# --- ray job submit -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3_head(s3_server_session, request):
+    """A `ray start --head` cluster started with the AWS variables in its environment, as
+    cluster.yaml does: jobs and their workers inherit them, the job's command line has none."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in s3_server_session.env().items():
+            if k.startswith("AWS_"):
+                mp.setenv(k, v)
+        head = request.getfixturevalue("ray_head")
+    return head
+
+
+def test_submitted_job_writes_to_s3_with_credentials_from_the_cluster(s3, s3_head):
+    import secrets
+
+    job_id = f"s3-{secrets.token_hex(4)}"
+    client = {k: v for k, v in s3_head.client_env().items() if not k.startswith("AWS_")}
+    entry = [sys.executable, "-m", "ray_job", "train", *TINY, "--num-workers", "1", "--epochs", "1",
+             "--storage-path", s3.uri("jobs"), "--name", "submitted"]
+    proc = s3_head.job("submit", "--submission-id", job_id, "--working-dir", ROOT, "--no-wait",
+                       "--", *entry, env=client)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    status = s3_head.wait_for_job(job_id, timeout=300)
+    logs = s3_head.job("logs", job_id, env=client).stdout
+    assert status == "SUCCEEDED", logs[-4000:]
+    keys = s3.keys("jobs/submitted")
+    for name in RUN_FILES:
+        assert name in keys, keys
+    assert checkpoints(s3, "jobs/submitted")
+    info = json.dumps(s3_head.api(f"/api/jobs/{job_id}"))
+    for text in (logs, info, " ".join(entry), s3.read("jobs/submitted/config.json").decode()):
+        assert s3.secret not in text
