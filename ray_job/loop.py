@@ -352,7 +352,7 @@ def fit_epochs(run: Run, resume: Resume) -> dict:
             run.files.epoch(last)
             log.info(last.line())
         # asked during the epoch's last steps: this epoch's checkpoint is the one to stop with
-        stopping = should_stop.finish() and epoch + 1 < cfg.epochs
+        stopping = should_stop.at_epoch_end() and epoch + 1 < cfg.epochs
         error = report(run, last.to_dict(), run.state(epoch + 1, 0, last),
                        last=stopping or epoch + 1 == cfg.epochs)
         if stopping:

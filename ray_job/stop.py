@@ -165,9 +165,15 @@ class StopPoller:
                 answer = self._read()
         return answer
 
-    def finish(self) -> bool:
-        """At the end of an epoch: the answer of a poll still in flight (False if none)."""
-        return self._read() if self._pending is not None else False
+    def at_epoch_end(self) -> bool:
+        """At the end of an epoch: the answer of a poll still in flight, else of a fresh one, so an
+        epoch shorter than `every` steps still looks (one blocking all-reduce per epoch)."""
+        if not self.distributed:
+            return self.is_rank0 and self._look()
+        if self._pending is not None and self._read():
+            return True
+        self._start(-1)
+        return self._read()
 
     def _start(self, step: int) -> None:
         flag = torch.tensor([1 if self.is_rank0 and self._look() else 0],

@@ -15,35 +15,50 @@ from ray_job import stop
 from ray_job.ports import free_port
 
 
-def _ranks(rank: int, world: int, port: int, run_dir: str, request_at: int, out) -> None:
+def _ranks(rank: int, world: int, port: int, run_dir: str, request_at: int, out, steps: int = 40) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     poller = stop.StopPoller(run_dir, is_rank0=rank == 0, device=torch.device("cpu"), every=5, lag=2)
     stopped_at = None
-    for step in range(1, 41):
+    for step in range(1, steps + 1):
         if rank == 0 and step == request_at:
             stop.request(run_dir)
         if poller(step):
             stopped_at = step
             break
         dist.barrier()  # stands in for the step's own collectives (DDP's all-reduce)
-    out.put((rank, stopped_at, poller.finish()))
+    out.put((rank, stopped_at, poller.at_epoch_end()))
     dist.destroy_process_group()
 
 
-def test_every_rank_stops_at_the_same_step_soon_after_the_request(tmp_path):
+def _run_ranks(run_dir: str, request_at: int, steps: int) -> list:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_ranks, args=(r, 2, port, str(tmp_path), 12, out)) for r in range(2)]
+    procs = [ctx.Process(target=_ranks, args=(r, 2, port, run_dir, request_at, out, steps))
+             for r in range(2)]
     for p in procs:
         p.start()
     results = sorted(out.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(30)
+    return results
+
+
+def test_every_rank_stops_at_the_same_step_soon_after_the_request(tmp_path):
+    results = _run_ranks(str(tmp_path), request_at=12, steps=40)
     # requested before step 12's look: polls start at 15 and are read 2 steps later, at 17
     assert [r[1] for r in results] == [17, 17]
-    assert not any(r[2] for r in results)  # nothing left in flight
+    assert [r[2] for r in results] == [True, True]  # the request is still there at the epoch's end
+
+
+def test_an_epoch_shorter_than_the_poll_interval_still_sees_the_request(tmp_path):
+    asked, quiet = tmp_path / "asked", tmp_path / "quiet"
+    asked.mkdir()
+    quiet.mkdir()
+    # 3 steps per epoch, polls every 5: only the epoch-end look can see it, and every rank agrees
+    assert _run_ranks(str(asked), request_at=1, steps=3) == [(0, None, True), (1, None, True)]
+    assert _run_ranks(str(quiet), request_at=99, steps=3) == [(0, None, False), (1, None, False)]
 
 
 def test_single_process_poll_and_clear(tmp_path):
@@ -51,6 +66,7 @@ def test_single_process_poll_and_clear(tmp_path):
     assert not any(poller(s) for s in range(1, 11))
     stop.request(str(tmp_path))
     assert [s for s in range(11, 21) if poller(s)] == [15, 20]
+    assert poller.at_epoch_end()
     stop.clear(str(tmp_path))
     stop.clear(str(tmp_path))  # clearing twice is fine (a requeued job with no request left)
     assert not stop.requested(str(tmp_path))
