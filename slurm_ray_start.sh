@@ -40,8 +40,10 @@
 # for Ray, and a copy in $RJ_LOG_DIR/auth_token for you while the job runs, with cluster.env beside
 # it); the dashboard and job server listen on the head's address only (SSH tunnel, see README).
 #
-# Exit status: the driver's (0 done, 1 training failed, 2 bad input, 3 preempted and not requeued);
-# 4 when the Ray cluster did not come up; 2 for bad usage of this script.
+# Exit status: the driver's (0 done, 1 training failed, 2 bad input, 3 preempted and not requeued,
+# 5 workers lost for --resource-wait-s and requeue refused); 4 when the Ray cluster did not come up;
+# 2 for bad usage of this script. A driver exit 5 (a node lost, the workers did not fit again
+# within --resource-wait-s) requeues the job, which resumes from the latest checkpoint.
 #
 # Knobs (environment variables; sbatch passes the submitting shell's environment on):
 #   RJ_PYTHON=python            interpreter that has ray_job and ray installed (ray CLI must be on PATH)
@@ -361,6 +363,9 @@ run_driver() {
   wait "$DRIVER_PID" || rc=$?
   DRIVER_PID=""
   log "driver exited with status $rc"
+  if ((rc > 128 && !PREEMPT_REQUESTED)); then
+    log "ERROR: the driver was killed by signal $((rc - 128)) ($(kill -l $((rc - 128)) 2>/dev/null || echo '?')), e.g. by the OOM killer; the run's checkpoints are kept: resubmit with RJ_RUN_NAME=$RUN_NAME to continue from the latest"
+  fi
   return "$rc"
 }
 
@@ -375,10 +380,11 @@ serve() {
   done
 }
 
+# $1: the exit status when Slurm refuses the requeue (sbatch --no-requeue, site policy).
 requeue() {
   log "requeueing job $JOB_ID (this was run $((RESTART_COUNT + 1))); the next run resumes from the latest checkpoint"
   stop_everything
-  scontrol requeue "$JOB_ID" || die 3 "scontrol requeue $JOB_ID failed; resubmit the same command with --name $RUN_NAME to resume"
+  scontrol requeue "$JOB_ID" || die "${1:-3}" "scontrol requeue $JOB_ID failed; resubmit the same command with --name $RUN_NAME to resume"
   exit 3
 }
 
@@ -468,6 +474,10 @@ main() {
   local rc=0
   run_driver || rc=$?
   ((PREEMPT_REQUESTED && rc != 0 && rc != 2)) && requeue
+  if ((rc == 5)); then  # the workers did not fit for --resource-wait-s (a node lost): new nodes
+    log "the cluster lost the resources for the workers; requeueing, so that Slurm gives the job healthy nodes"
+    requeue 5
+  fi
   return "$rc"
 }
 

@@ -48,6 +48,10 @@ class TrainConfig:
         "Ray cluster in this process", "cluster")
     num_workers: int = _f(0, "training workers (one DDP rank each); 0 = one per GPU in the cluster, "
                           "or 1 without GPUs", "cluster")
+    min_workers: int = _f(0, "elastic: when nodes are lost, go on with as few as N workers, and grow "
+                          "back to --num-workers when capacity returns (each resize restarts the "
+                          "group from the latest checkpoint; the batch rule of --batch-mode applies "
+                          "to the new world size); 0 = a fixed size", "cluster")
     use_gpu: Optional[bool] = _f(None, "train on GPUs (default: yes when the cluster has GPUs)",
                                  "cluster", bool_flag=True)
     cpus_per_worker: float = _f(1.0, "CPUs reserved per worker (also its torch thread count)", "cluster")
@@ -123,8 +127,17 @@ class TrainConfig:
                           "results")
     max_failures: int = _f(2, "worker-group restarts (from the last checkpoint) before giving up",
                            "results")
+    resource_wait_s: float = _f(600.0, "how long to wait for the cluster to hold the workers (at start "
+                                "or after a lost node); then the driver exits with code 5, saving "
+                                "nothing new (slurm_ray_start.sh requeues the job)", "results")
+    checkpoint_every_min: float = _f(0.0, "also checkpoint every M minutes, at a step every rank "
+                                     "agrees on, so a long epoch loses at most M minutes (0 = at "
+                                     "epoch ends only)", "results")
+    collective_timeout_s: float = _f(600.0, "a collective (DDP's all-reduce) stuck this long fails "
+                                     "the step instead of hanging; the group then restarts from "
+                                     "the latest checkpoint", "results")
     keep_checkpoints: int = _f(2, "checkpoints to keep, best by test accuracy", "results")
-    storage_wait: float = _f(120.0, "seconds to keep retrying the last checkpoint (end of the run or "
+    retry_storage_s: float = _f(120.0, "seconds to keep retrying the last checkpoint (end of the run or "
                              "a stop request) and the run files while the storage fails; a "
                              "checkpoint in between that cannot be saved is skipped and training "
                              "goes on", "results")
@@ -147,7 +160,7 @@ class TrainConfig:
                 raise UsageError(f"--{_flag(name)} must be a positive number, got {getattr(self, name)}")
         non_negative = ("num_workers", "steps_per_epoch", "max_failures", "log_every", "lr",
                         "momentum", "weight_decay", "label_smoothing", "warmup_epochs",
-                        "storage_wait")
+                        "retry_storage_s", "min_workers", "checkpoint_every_min")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
@@ -155,6 +168,11 @@ class TrainConfig:
             raise UsageError("--cpus-per-worker and --gpus-per-worker must be positive")
         if self.label_smoothing >= 1:
             raise UsageError("--label-smoothing must be below 1")
+        if self.resource_wait_s <= 0 or self.collective_timeout_s <= 0:
+            raise UsageError("--resource-wait-s and --collective-timeout-s must be positive")
+        if self.min_workers and self.num_workers and self.min_workers > self.num_workers:
+            raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers "
+                             f"{self.num_workers}; give --min-workers <= --num-workers")
         if self.loader_workers < -1:
             raise UsageError("--loader-workers must be -1 (auto) or a count >= 0")
 
@@ -194,7 +212,8 @@ class TrainConfig:
         import hashlib
 
         ignore = {"name", "storage_path", "address", "progress", "log_every", "epochs",
-                  "max_failures", "keep_checkpoints", "storage_wait"}
+                  "max_failures", "keep_checkpoints", "retry_storage_s", "min_workers",
+                  "resource_wait_s", "checkpoint_every_min", "collective_timeout_s"}
         what = {k: v for k, v in sorted(self.to_dict().items()) if k not in ignore}
         digest = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
         return f"ray_job_{self.data}_{self.model}_{digest}"

@@ -15,7 +15,7 @@ import time
 from typing import Optional
 
 from . import metrics, stop, storage
-from .checkpoint import load_checkpoint
+from .checkpoint import CHECKPOINT_FILE, load_checkpoint
 from .config import TrainConfig, UsageError, _flag, choose_use_gpu, is_uri
 from .data import check_data
 from .ports import free_port
@@ -25,6 +25,8 @@ from .storage import StorageError
 
 log = logging.getLogger("ray_job.driver")
 EXIT_PREEMPTED = 3
+EXIT_NO_RESOURCES = 5  # the cluster could not hold the workers for --resource-wait-s
+ELASTIC_CHECK_S = float(os.environ.get("RJ_ELASTIC_CHECK_S", 60))  # how often an elastic run looks for capacity
 
 
 # --- checks before Ray ------------------------------------------------------------------------
@@ -88,9 +90,11 @@ def connect(cfg: TrainConfig) -> None:
     if ray.is_initialized():  # e.g. the test suite's shared cluster
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
+    # Read by Ray Train's controller: how long a worker group may wait for its resources.
+    runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{cfg.resource_wait_s:g}"}}
     if address:
         log.info("joining the Ray cluster at %s", address)
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
     else:
         log.info("no --address / RAY_ADDRESS: starting a local Ray cluster in this process")
         # Ray Train's preemption watcher only logs a harmless error line on a local cluster.
@@ -99,7 +103,7 @@ def connect(cfg: TrainConfig) -> None:
         # machine it cannot tell which one is ours unless told (the workers inherit this env).
         port = free_port()
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-        ray.init(address="local", dashboard_port=port)
+        ray.init(address="local", dashboard_port=port, runtime_env=runtime_env)
 
 
 def workers_that_fit(cpus: float, gpus: float) -> int:
@@ -129,12 +133,33 @@ def resolve_workers(cfg: TrainConfig) -> TrainConfig:
     if cfg.gpus_per_worker < 1 and use_gpu and cfg.backend != "gloo":
         raise UsageError("workers sharing a GPU (--gpus-per-worker < 1) need --backend gloo "
                          "(NCCL refuses two ranks on one GPU)")
+    if cfg.min_workers > num_workers:
+        raise UsageError(f"--min-workers {cfg.min_workers} is more than the {num_workers} workers "
+                         f"of this run; give --min-workers <= --num-workers")
     fits = workers_that_fit(cfg.cpus_per_worker, gpus)
-    if num_workers > fits:
-        raise UsageError(f"--num-workers {num_workers} cannot fit: the cluster holds at most {fits} "
-                         f"worker(s) of {cfg.cpus_per_worker:g} CPU{f' + {gpus:g} GPU' if gpus else ''}"
-                         f" each; lower --num-workers or --cpus-per-worker, or add nodes")
+    need, flag = (cfg.min_workers, "--min-workers") if cfg.min_workers else (num_workers, "--num-workers")
+    if need > fits:
+        raise UsageError(f"{flag} {need} cannot fit: the cluster holds at most {fits} "
+                         f"worker(s) of {worker_size(cfg.cpus_per_worker, gpus)} each; lower "
+                         f"{flag} or --cpus-per-worker, or add nodes")
     return dataclasses.replace(cfg, use_gpu=use_gpu, num_workers=num_workers)
+
+
+def worker_size(cpus: float, gpus: float) -> str:
+    return f"{cpus:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
+
+
+def missing_resources(cfg: TrainConfig) -> str:
+    """What the cluster lacks for this run's workers, in words (for the resource-wait error)."""
+    import ray
+
+    gpus = cfg.gpus_per_worker if cfg.use_gpu else 0
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    dead = [n.get("NodeManagerAddress", "?") for n in ray.nodes() if not n.get("Alive")]
+    fits = workers_that_fit(cfg.cpus_per_worker, gpus)
+    text = (f"the cluster holds {fits} of the {cfg.num_workers} workers of "
+            f"{worker_size(cfg.cpus_per_worker, gpus)} each ({len(alive)} node(s) alive")
+    return text + (f"; lost: {', '.join(sorted(set(dead)))})" if dead else ")")
 
 
 def build_trainer(cfg: TrainConfig):
@@ -148,22 +173,30 @@ def build_trainer(cfg: TrainConfig):
         resources["GPU"] = cfg.gpus_per_worker
     # One filesystem for Ray's files too (its checkpoint snapshot, old checkpoints' deletion): built
     # here from the AWS variables, pickled to the controller and the workers (which so need no
-    # copy of them), its calls retried for --storage-wait seconds.
+    # copy of them), its calls retried for --retry-storage-s seconds.
     root = storage.at(cfg.storage_path)
+    # Elastic: Ray Train starts with whatever fits between min and max and restarts the group
+    # (from the latest checkpoint) when nodes go or come back; fixed: a lost node is a failure,
+    # and the restart waits RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (= --resource-wait-s, set in
+    # connect) for the workers, after which the controller gives up at once (limit 0).
+    workers = (cfg.min_workers, cfg.num_workers) if cfg.min_workers else cfg.num_workers
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=cfg.to_dict(),
-        torch_config=TorchConfig(backend=None if cfg.backend == "auto" else cfg.backend),
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=bool(cfg.use_gpu),
-                                     resources_per_worker=resources),
+        # timeout_s: a stuck collective fails the step (gloo; NCCL's watchdog) instead of hanging
+        torch_config=TorchConfig(backend=None if cfg.backend == "auto" else cfg.backend,
+                                 timeout_s=int(cfg.collective_timeout_s)),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=bool(cfg.use_gpu),
+                                     resources_per_worker=resources,
+                                     elastic_resize_monitor_interval_s=ELASTIC_CHECK_S),
         run_config=RunConfig(
             name=cfg.name,
             storage_path=root.path,
-            storage_filesystem=storage.for_ray(root, cfg.storage_wait),
+            storage_filesystem=storage.for_ray(root, cfg.retry_storage_s),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints,
                                                checkpoint_score_attribute="test_acc",
                                                checkpoint_score_order="max"),
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
         ),
     )
 
@@ -213,7 +246,8 @@ def run_training(cfg: TrainConfig) -> int:
     stop.stop_on_usr1(run_dir)  # before Ray starts: a USR1 from now on is a request
     connect(cfg)
     cfg = resolve_workers(cfg)
-    check_sizes(cfg, cfg.num_workers)
+    for world in {cfg.min_workers or cfg.num_workers, cfg.num_workers}:  # every size it may run at
+        check_sizes(cfg, world)
     try:
         write_json(run_dir.join(CONFIG_JSON), cfg.to_dict())
     except StorageError as e:
@@ -230,10 +264,12 @@ def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
     except TrainingFailedError as e:
         reason = " ".join(str(e).split())[:300]  # one line: the error's own text, whitespace folded
         if isinstance(getattr(e, "controller_failure", None), OSError):
-            # Ray's controller could not write its record of checkpoints (after --storage-wait)
+            # Ray's controller could not write its record of checkpoints (after --retry-storage-s)
             reason = " ".join(str(e.controller_failure).split())[:300]
             return storage_failed(cfg, started, f"Ray could not record the checkpoints ({reason})",
                                   None)
+        if is_resource_timeout(e):
+            return resources_lost(cfg, started)
         with contextlib.suppress(StorageError):  # the failure may be the storage's own
             write_summary(cfg, started, finished=False, error=reason)
         print(f"error: training failed after {cfg.max_failures} restart(s): {reason} (worker logs "
@@ -264,8 +300,41 @@ def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
     return 0
 
 
+def is_resource_timeout(e: Exception) -> bool:
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    return isinstance(getattr(e, "controller_failure", None), WorkerGroupStartupTimeoutError)
+
+
+def resources_lost(cfg: TrainConfig, started: float) -> int:
+    """The workers did not fit for --resource-wait-s (a node lost, or the cluster busy): say what
+    is missing and exit EXIT_NO_RESOURCES; the checkpoints saved so far stay, nothing new is."""
+    missing = missing_resources(cfg)
+    latest = latest_checkpoint(cfg)
+    with contextlib.suppress(StorageError):
+        write_summary(cfg, started, finished=False, latest_checkpoint=latest,
+                      error=f"no resources for {cfg.resource_wait_s:g} s: {missing}")
+    saved = f"last checkpoint: {latest}" if latest else "no checkpoint yet"
+    print(f"error: waited {cfg.resource_wait_s:g} s (--resource-wait-s) for the workers: {missing}. "
+          f"Nothing new was saved ({saved}); run the same command when the nodes are back (under "
+          f"SLURM the job is requeued), or use --min-workers to go on with fewer", file=sys.stderr)
+    return EXIT_NO_RESOURCES
+
+
+def latest_checkpoint(cfg: TrainConfig) -> Optional[str]:
+    """The newest complete checkpoint_* folder of the run (its checkpoint.pt written last)."""
+    run_dir = storage.at(cfg.run_dir())
+    try:
+        files = run_dir.files()
+    except (StorageError, FileNotFoundError):
+        return None
+    done = sorted(f.split("/")[0] for f in files
+                  if f.startswith("checkpoint_") and f.endswith("/" + CHECKPOINT_FILE))
+    return run_dir.join(done[-1]).uri if done else None
+
+
 def storage_failed(cfg: TrainConfig, started: float, error: str, latest: Optional[str]) -> int:
-    """The storage failed at the end (after --storage-wait): say what was saved, exit 1."""
+    """The storage failed at the end (after --retry-storage-s): say what was saved, exit 1."""
     with contextlib.suppress(StorageError):
         write_summary(cfg, started, finished=False, error=error, latest_checkpoint=latest)
     saved = f"Last checkpoint saved: {latest}" if latest else "Ray keeps the last checkpoint it recorded"

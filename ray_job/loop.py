@@ -9,12 +9,13 @@ Storage faults: rank 0 copies each checkpoint to the run folder itself before `r
 cannot be saved (storage unreachable, disk full) is logged and skipped -- never reported, so never
 taken as the latest -- and training goes on; the next checkpoint tries again, and the run files
 catch up once the storage is back. The last checkpoint (end of run, stop request) is retried for up
-to --storage-wait seconds; if it still fails, the run ends with that error and the same command
+to --retry-storage-s seconds; if it still fails, the run ends with that error and the same command
 later resumes from the last checkpoint that was saved.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -217,10 +218,10 @@ def report(run: Run, metrics: dict, state: Optional[dict], last: bool = False) -
 
     Rank 0 copies the checkpoint to the run folder first and reports it only once it is complete.
     One that cannot be saved is skipped (training goes on); the `last` one is retried for up to
-    --storage-wait seconds, and its error is returned if it still fails."""
+    --retry-storage-s seconds, and its error is returned if it still fails."""
     checkpoint, error = None, None
     if run.is_rank0 and state is not None:
-        checkpoint, error = save_to_storage(run, state, run.cfg.storage_wait if last else 0.0)
+        checkpoint, error = save_to_storage(run, state, run.cfg.retry_storage_s if last else 0.0)
     ray.train.report(finite(metrics), checkpoint=checkpoint,
                      checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
     return error if last else None
@@ -299,6 +300,18 @@ def announce(run: Run, resume: Resume) -> None:
     run.files.keep_epochs_up_to(resume.epoch)
     if resume.state is not None:
         run.files.event("resumed", epoch=resume.epoch, step=resume.step)
+        before = resume.state.get("world_size")
+        if before and before != run.world:  # an elastic resize, or a rerun with another size
+            cfg = run.cfg
+            run.files.event("world_size_changed", before=before, after=run.world,
+                            batch_mode=cfg.batch_mode, global_batch=cfg.global_batch(run.world),
+                            lr=cfg.scaled_lr(run.world))
+            log.info("world size changed %d -> %d; --batch-mode %s: global batch %d -> %d (%d per "
+                     "worker), peak lr %.4g -> %.4g; epoch %d is redone from its start (the sampler "
+                     "re-shards for %d workers)", before, run.world, cfg.batch_mode,
+                     cfg.global_batch(before), cfg.global_batch(run.world),
+                     cfg.per_worker_batch(run.world), cfg.scaled_lr(before), cfg.scaled_lr(run.world),
+                     resume.epoch + 1, run.world)
     log.info("training %s/%s stem on %d worker(s): %d steps/epoch, global batch %d (%d per "
              "worker, --batch-mode %s), peak lr %.4g, %s, %s loader", cfg.model, cfg.stem, run.world,
              run.steps_per_epoch, cfg.global_batch(run.world), cfg.per_worker_batch(run.world),
@@ -315,7 +328,8 @@ def fit_epochs(run: Run, resume: Resume) -> dict:
     eval_loss = torch.nn.CrossEntropyLoss()
     if run.is_rank0:
         announce(run, resume)
-    should_stop = StopPoller(run.store, run.is_rank0, run.device)
+    should_stop = StopPoller(run.store, run.is_rank0, run.device,
+                             checkpoint_every_s=cfg.checkpoint_every_min * 60)
     last: Optional[EpochMetrics] = None
     comm_wait, error = None, None
     for epoch in range(resume.epoch, cfg.epochs):
@@ -331,7 +345,8 @@ def fit_epochs(run: Run, resume: Resume) -> dict:
         stats = train_epoch(run.model, run.train_loader, run.optimizer, run.scheduler, loss_fn,
                             preprocess, run.device, bf16=run.speed.bf16,
                             max_steps=run.steps_per_epoch, skip_steps=skip,
-                            sync_timing=cfg.sync_timing, should_stop=should_stop,
+                            sync_timing=cfg.sync_timing,
+                            should_stop=functools.partial(at_step, run, should_stop, epoch, last=last),
                             on_step=progress.on_step if progress else None)
         if progress:
             progress.close()
@@ -355,17 +370,33 @@ def fit_epochs(run: Run, resume: Resume) -> dict:
         stopping = should_stop.at_epoch_end() and epoch + 1 < cfg.epochs
         error = report(run, last.to_dict(), run.state(epoch + 1, 0, last),
                        last=stopping or epoch + 1 == cfg.epochs)
+        should_stop.checkpointed()
         if stopping:
             log.info("stop requested: checkpoint at the end of epoch %d, stopping", epoch + 1)
             return finish(run, should_stop, {"preempted": True, "epoch": epoch + 1, "step": 0}, error)
     return finish(run, should_stop, {"preempted": False, "epoch": cfg.epochs}, error)
 
 
+def at_step(run: Run, should_stop: StopPoller, epoch: int, step: int,
+            last: Optional[EpochMetrics]) -> bool:
+    """After each step (every rank, same answers): stop now? Saves the timed checkpoint
+    (--checkpoint-every-min) when it falls due before the epoch's last step."""
+    if should_stop(step):
+        return True
+    if should_stop.checkpoint_due and step < run.steps_per_epoch:
+        log.info("checkpoint after %g min: epoch %d step %d", run.cfg.checkpoint_every_min,
+                 epoch + 1, step)
+        report(run, dict(epoch=epoch, step=step, preempted=False, test_acc=-1.0),
+               run.state(epoch, step, last))
+        should_stop.checkpointed()
+    return False
+
+
 def finish(run: Run, should_stop: StopPoller, outcome: dict, error: Optional[str]) -> dict:
     """The loop's result; rank 0 writes the run files that are left and adds a storage error."""
     should_stop.close()
     if run.is_rank0:
-        unwritten = run.files.close(0.0 if error else run.cfg.storage_wait)
+        unwritten = run.files.close(0.0 if error else run.cfg.retry_storage_s)
         error = error or unwritten
         if error:
             outcome["storage_error"] = error

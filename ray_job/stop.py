@@ -130,19 +130,26 @@ class Watcher:
 
 
 class StopPoller:
-    """Answers "stop now?" after a step, the same on every rank, without stalling the device.
+    """Answers "stop now?" after a step, the same on every rank, without stalling the device; and,
+    with `checkpoint_every_s`, "checkpoint now?" (rank 0's clock decides, every rank agrees).
 
-    Every POLL_EVERY steps rank 0 reads the file and an asynchronous all-reduce (MAX) starts;
-    POLL_LAG steps later every rank waits for it (long done by then) and reads the answer from a
-    host copy made on the device's queue. Every rank calls `__call__` after the same steps, so all
-    stop at the same step.
+    Every POLL_EVERY steps rank 0 reads the file (and its clock) and an asynchronous all-reduce
+    (MAX; only rank 0 contributes: 1 = stop, 2 = checkpoint due) starts; POLL_LAG steps later every
+    rank waits for it (long done by then) and reads the answer from a host copy made on the
+    device's queue. Every rank calls `__call__` after the same steps, so all stop (or checkpoint)
+    at the same step. `checkpoint_due` is then True until `checkpointed()` is called.
     """
 
+    STOP, CHECKPOINT = 1, 2
+
     def __init__(self, run_dir: Where, is_rank0: bool, device: torch.device,
-                 every: int = POLL_EVERY, lag: int = POLL_LAG):
+                 every: int = POLL_EVERY, lag: int = POLL_LAG, checkpoint_every_s: float = 0.0):
         self.is_rank0, self.device = is_rank0, device
         self.every, self.lag = every, max(0, min(lag, every - 1))
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.checkpoint_every_s = checkpoint_every_s
+        self.checkpoint_due = False
+        self._last_checkpoint = time.monotonic()
         self._pending: Optional[tuple] = None  # (step to read at, work, host tensor, event)
         self._watcher: Optional[Watcher] = None
         if is_rank0 and not storage.at(run_dir).is_local:
@@ -153,31 +160,51 @@ class StopPoller:
         if self._watcher is not None:
             self._watcher.close()
 
+    def checkpointed(self) -> None:
+        """A checkpoint was just saved: the clock for the next timed one starts now."""
+        self.checkpoint_due = False
+        self._last_checkpoint = time.monotonic()
+
     def __call__(self, step: int) -> bool:
         if not self.distributed:
-            return step % self.every == 0 and self.is_rank0 and self._look()
+            return step % self.every == 0 and self._answer(self._flags())
         answer = False
         if self._pending is not None and step >= self._pending[0]:
-            answer = self._read()
+            answer = self._answer(self._read())
         if step % self.every == 0 and self._pending is None:
             self._start(step)
             if self.lag == 0:
-                answer = self._read()
+                answer = self._answer(self._read())
         return answer
 
     def at_epoch_end(self) -> bool:
         """At the end of an epoch: the answer of a poll still in flight, else of a fresh one, so an
-        epoch shorter than `every` steps still looks (one blocking all-reduce per epoch)."""
+        epoch shorter than `every` steps still looks (one blocking all-reduce per epoch). A timed
+        checkpoint falls due no earlier than the epoch's own."""
         if not self.distributed:
-            return self.is_rank0 and self._look()
-        if self._pending is not None and self._read():
-            return True
-        self._start(-1)
-        return self._read()
+            stop = bool(self._flags() & self.STOP)
+        elif self._pending is not None and self._read() & self.STOP:
+            stop = True
+        else:
+            self._start(-1)
+            stop = bool(self._read() & self.STOP)
+        self.checkpoint_due = False
+        return stop
+
+    def _flags(self) -> int:
+        """Rank 0's view: the stop request and the checkpoint clock (0 on the other ranks)."""
+        if not self.is_rank0:
+            return 0
+        due = self.checkpoint_every_s > 0 and time.monotonic() - self._last_checkpoint >= self.checkpoint_every_s
+        return (self.STOP if self._look() else 0) | (self.CHECKPOINT if due else 0)
+
+    def _answer(self, flags: int) -> bool:
+        if flags & self.CHECKPOINT:
+            self.checkpoint_due = True
+        return bool(flags & self.STOP)
 
     def _start(self, step: int) -> None:
-        flag = torch.tensor([1 if self.is_rank0 and self._look() else 0],
-                            dtype=torch.int32, device=self.device)
+        flag = torch.tensor([self._flags()], dtype=torch.int32, device=self.device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         event = None
         if self.device.type == "cuda":
@@ -190,11 +217,11 @@ class StopPoller:
             host = flag
         self._pending = (step + self.lag, work, host, event)
 
-    def _read(self) -> bool:
+    def _read(self) -> int:
         _, work, host, event = self._pending
         self._pending = None
         if event is not None:
             event.synchronize()
         else:
             work.wait()
-        return bool(host.item())
+        return int(host.item())

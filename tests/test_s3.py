@@ -7,7 +7,7 @@ sweep's files on S3, storage faults (the server stopped during training; a full 
 
 Fault behaviour chosen: training keeps going. A checkpoint that cannot be saved is logged and
 skipped (never reported to Ray, so never the latest), the run files catch up once the storage is
-back, and the last checkpoint is retried for --storage-wait seconds; if it still fails, the run
+back, and the last checkpoint is retried for --retry-storage-s seconds; if it still fails, the run
 ends with one `error:` line (exit 1) and the same command later resumes from the last checkpoint
 that was saved.
 """
@@ -329,13 +329,13 @@ def seed_checkpoint(server, prefix: str, epoch: int) -> str:
 def test_server_down_at_the_end_fails_clearly_then_the_same_command_resumes(s3, user_dir):
     """A run from --resume-from s3://... (epoch 1 done) to epoch 3; the server is stopped once
     epoch 2's checkpoint is saved and recorded, and is not back before the end: the last checkpoint
-    waits --storage-wait seconds, then one error line, exit 1. Later the same command resumes
+    waits --retry-storage-s seconds, then one error line, exit 1. Later the same command resumes
     from epoch 2's checkpoint (Ray's latest wins over --resume-from; a partly written checkpoint
     planted beside it is not taken) and finishes."""
     seed = seed_checkpoint(s3, "seeds/checkpoint_seed", epoch=1)
     env = user_env(s3)
     args = [*FAULT, "--storage-path", s3.uri("fault"), "--name", "b", "--epochs", "3",
-            "--resume-from", seed, "--storage-wait", "2"]
+            "--resume-from", seed, "--retry-storage-s", "2"]
     run = Running(user_dir, env, *args)
     run.wait_for(lambda: checkpoints(s3, "fault/b") and  # and recorded by Ray
                  "checkpoint_manager_snapshot.json" in s3.keys("fault/b"), every=0.5)
@@ -376,7 +376,7 @@ def test_full_local_disk_fails_the_checkpoint_and_the_previous_one_stays(user_di
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_ADDRESS"))}
         env["PYTHONPATH"] = ROOT
         proc = train(user_dir, env, *FAULT, "--synthetic-train-size", "512", "--storage-path",
-                     str(mnt), "--name", "full", "--epochs", "2", "--storage-wait", "2")
+                     str(mnt), "--name", "full", "--epochs", "2", "--retry-storage-s", "2")
         assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
         line = one_error_line(proc.stderr)
         assert "No space left on device" in line and "was not saved" in line, line

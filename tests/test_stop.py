@@ -86,3 +86,39 @@ def test_usr1_writes_the_request_and_forward_passes_it_on(tmp_path):
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert stop.requested(str(sweep)) and stop.requested(str(point))
+
+
+def _timed_ranks(rank: int, port: int, run_dir: str, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    poller = stop.StopPoller(run_dir, is_rank0=rank == 0, device=torch.device("cpu"), every=5, lag=2,
+                             checkpoint_every_s=0.5)
+    checkpoints = []
+    for step in range(1, 61):
+        if rank == 0:
+            time.sleep(0.05)  # rank 0's clock is the one that decides
+        assert not poller(step)
+        if poller.checkpoint_due:
+            checkpoints.append(step)
+            poller.checkpointed()
+        dist.barrier()
+    out.put((rank, checkpoints))
+    dist.destroy_process_group()
+
+
+def test_timed_checkpoints_fall_due_at_the_same_step_on_every_rank(tmp_path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_timed_ranks, args=(r, port, str(tmp_path), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert results[0] == results[1], results
+    # 60 steps of >= 50 ms with a 0.5 s interval: due every ~10 steps, always at a poll's answer
+    # (2 steps after a multiple of 5), never two in a row without the interval between them
+    assert 3 <= len(results[0]) <= 6, results
+    assert all(s % 5 == 2 for s in results[0]), results
+    assert all(b - a >= 10 for a, b in zip(results[0], results[0][1:])), results

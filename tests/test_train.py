@@ -133,3 +133,22 @@ def test_more_workers_than_the_cluster_holds_fails_at_once(ray_local, tmp_path):
     with pytest.raises(UsageError, match="no GPUs"):
         _train(tmp_path, "gpu", "--use-gpu")
     assert not os.path.exists(tmp_path / "results" / "big" / "config.json")
+
+
+def test_timed_checkpoints_mid_epoch_and_elastic_start_with_what_fits(ray_local, tmp_path):
+    # --num-workers 4 on a 2-CPU cluster: refused as a fixed size, started with 2 when elastic
+    with pytest.raises(UsageError, match="--num-workers 4 cannot fit"):
+        _train(tmp_path, "fixed", "--num-workers", "4")
+    cfg, rc = _train(tmp_path, "timed", "--num-workers", "4", "--min-workers", "1", "--epochs", "1",
+                     "--checkpoint-every-min", "0.002", "--keep-checkpoints", "1")
+    assert rc == 0
+    assert [r["world_size"] for r in _rows(cfg)] == [2]
+    saved = [e for e in read_jsonl(os.path.join(cfg.run_dir(), "events.jsonl"))
+             if e["event"] == "checkpoint_saved"]
+    timed = [e["step"] for e in saved if e["step"] > 0]
+    assert timed and all(s % 5 == 2 for s in timed), saved  # at a poll's answer, mid-epoch
+    assert (saved[-1]["epoch"], saved[-1]["step"]) == (1, 0)  # and the epoch's own at its end
+    kept = [d for d in os.listdir(cfg.run_dir()) if d.startswith("checkpoint_")]
+    assert 1 <= len(kept) <= 2, kept  # --keep-checkpoints 1 best, plus the latest
+    with pytest.raises(UsageError, match="--min-workers 3 is more than --num-workers 2"):
+        _train(tmp_path, "bad", "--num-workers", "2", "--min-workers", "3")

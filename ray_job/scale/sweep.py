@@ -27,8 +27,10 @@ from .report import write_outputs
 
 log = logging.getLogger("ray_job.scale")
 # Config fields that may differ between two runs of the same point: the address changes with every
-# SLURM job, and `train` turns --progress auto into bar or lines.
-REUSE_IGNORES = ("address", "progress", "storage_wait")
+# SLURM job, `train` turns --progress auto into bar or lines, and how long to wait for storage or
+# resources, or how often to checkpoint, changes nothing a point measures.
+REUSE_IGNORES = ("address", "progress", "retry_storage_s", "resource_wait_s", "checkpoint_every_min",
+                 "collective_timeout_s")
 
 
 def run_sweep(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Link],
