@@ -51,7 +51,8 @@ class TrainConfig:
     min_workers: int = _f(0, "elastic: when nodes are lost, go on with as few as N workers, and grow "
                           "back to --num-workers when capacity returns (each resize restarts the "
                           "group from the latest checkpoint; the batch rule of --batch-mode applies "
-                          "to the new world size); 0 = a fixed size", "cluster")
+                          "to the new world size; below N workers it waits without a time limit); 0 = a fixed size",
+                          "cluster")
     use_gpu: Optional[bool] = _f(None, "train on GPUs (default: yes when the cluster has GPUs)",
                                  "cluster", bool_flag=True)
     cpus_per_worker: float = _f(1.0, "CPUs reserved per worker (also its torch thread count)", "cluster")
@@ -127,8 +128,8 @@ class TrainConfig:
                           "results")
     max_failures: int = _f(2, "worker-group restarts (from the last checkpoint) before giving up",
                            "results")
-    resource_wait_s: float = _f(600.0, "how long to wait for the cluster to hold the workers (at start "
-                                "or after a lost node); then the driver exits with code 5, saving "
+    resource_wait_s: float = _f(600.0, "fixed size: how long to wait for the cluster to hold the "
+                                "workers (at start or after a lost node); then the driver exits 5, saving "
                                 "nothing new (slurm_ray_start.sh requeues the job)", "results")
     checkpoint_every_min: float = _f(0.0, "also checkpoint every M minutes, at a step every rank "
                                      "agrees on, so a long epoch loses at most M minutes (0 = at "

@@ -26,7 +26,9 @@ from .storage import StorageError
 log = logging.getLogger("ray_job.driver")
 EXIT_PREEMPTED = 3
 EXIT_NO_RESOURCES = 5  # the cluster could not hold the workers for --resource-wait-s
-ELASTIC_CHECK_S = float(os.environ.get("RJ_ELASTIC_CHECK_S", 60))  # how often an elastic run looks for capacity
+# An elastic run may try a size that a lost node still seems to offer (the GCS takes a few
+# heartbeats to mark it dead); each try waits this long before Ray Train decides again.
+ELASTIC_START_TIMEOUT_S = 60.0
 
 
 # --- checks before Ray ------------------------------------------------------------------------
@@ -91,7 +93,8 @@ def connect(cfg: TrainConfig) -> None:
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     # Read by Ray Train's controller: how long a worker group may wait for its resources.
-    runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{cfg.resource_wait_s:g}"}}
+    wait_s = min(cfg.resource_wait_s, ELASTIC_START_TIMEOUT_S) if cfg.min_workers else cfg.resource_wait_s
+    runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{wait_s:g}"}}
     if address:
         log.info("joining the Ray cluster at %s", address)
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
@@ -175,10 +178,11 @@ def build_trainer(cfg: TrainConfig):
     # here from the AWS variables, pickled to the controller and the workers (which so need no
     # copy of them), its calls retried for --retry-storage-s seconds.
     root = storage.at(cfg.storage_path)
-    # Elastic: Ray Train starts with whatever fits between min and max and restarts the group
-    # (from the latest checkpoint) when nodes go or come back; fixed: a lost node is a failure,
-    # and the restart waits RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (= --resource-wait-s, set in
-    # connect) for the workers, after which the controller gives up at once (limit 0).
+    # Fixed size: a lost node is a failure, and the restart waits RAY_TRAIN_WORKER_GROUP_START_
+    # TIMEOUT_S (= --resource-wait-s, set in connect) for the workers; then the controller gives
+    # up at once (limit 0) and the driver exits 5. Elastic: Ray Train starts with whatever fits
+    # between min and max and restarts the group (from the latest checkpoint) when nodes go or
+    # come back; a start that times out (a size a dying node seemed to offer) is decided again.
     workers = (cfg.min_workers, cfg.num_workers) if cfg.min_workers else cfg.num_workers
     return TorchTrainer(
         train_loop_per_worker,
@@ -187,8 +191,7 @@ def build_trainer(cfg: TrainConfig):
         torch_config=TorchConfig(backend=None if cfg.backend == "auto" else cfg.backend,
                                  timeout_s=int(cfg.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=bool(cfg.use_gpu),
-                                     resources_per_worker=resources,
-                                     elastic_resize_monitor_interval_s=ELASTIC_CHECK_S),
+                                     resources_per_worker=resources),
         run_config=RunConfig(
             name=cfg.name,
             storage_path=root.path,
@@ -196,7 +199,8 @@ def build_trainer(cfg: TrainConfig):
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints,
                                                checkpoint_score_attribute="test_acc",
                                                checkpoint_score_order="max"),
-            failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
+            failure_config=FailureConfig(max_failures=cfg.max_failures,
+                                         controller_failure_limit=-1 if cfg.min_workers else 0),
         ),
     )
 

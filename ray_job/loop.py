@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from . import storage
-from .checkpoint import load_checkpoint, restore_training_state, save_checkpoint, upload_checkpoint
+from .checkpoint import (CHECKPOINT_FILE, load_checkpoint, restore_training_state, save_checkpoint,
+                         upload_checkpoint)
 from .config import Speed, TrainConfig, UsageError
 from .data import DeviceAugment, Split, build_dataset, load_splits
 from .engine import EpochStats, evaluate, global_sums, measure_comm_wait, peak_rss_gib, train_epoch
@@ -40,7 +41,7 @@ from .metrics import EpochMetrics
 from .model import build_model, gradient_bytes, unwrap
 from .optim import build_optimizer, build_scheduler
 from .progress import Progress
-from .runlog import TOPOLOGY_JSON, RunLog, finite
+from .runlog import EVENTS_JSONL, TOPOLOGY_JSON, RunLog, finite, read_jsonl
 from .stop import StopPoller
 
 log = logging.getLogger("ray_job")
@@ -84,7 +85,13 @@ def run_store(cfg: TrainConfig) -> storage.Location:
 def find_resume_state(cfg: TrainConfig, world_size: int, store: storage.Location) -> Resume:
     """Ray's latest checkpoint of this run first, else --resume-from, else a fresh start."""
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
+    recorded = os.path.basename(checkpoint.path.rstrip("/")) if checkpoint is not None else None
+    saved = newest_saved_checkpoint(store)
+    if saved is not None and (recorded is None or saved > recorded):  # names sort by time
+        log.info("resuming from %s: saved completely, but Ray has no record of it (the driver "
+                 "stopped right after it was written)", saved)
+        state = load_checkpoint(store.join(saved))
+    elif checkpoint is not None:
         with checkpoint.as_directory() as d:
             state = load_checkpoint(d)
     elif cfg.resume_from:
@@ -94,6 +101,18 @@ def find_resume_state(cfg: TrainConfig, world_size: int, store: storage.Location
     # A mid-epoch position only makes sense with the same sharding; otherwise redo that epoch.
     same_world = state.get("world_size") == world_size
     return Resume(state["epoch"], state.get("step", 0) if same_world else 0, state)
+
+
+def newest_saved_checkpoint(store: storage.Location) -> Optional[str]:
+    """The newest checkpoint folder of this run that rank 0 finished writing (its checkpoint_saved
+    event follows the upload) and that is still there."""
+    try:
+        saved = [e["checkpoint"] for e in read_jsonl(store.join(EVENTS_JSONL))
+                 if e.get("event") == "checkpoint_saved"]
+        return next((name for name in reversed(saved)
+                     if store.join(name, CHECKPOINT_FILE).exists()), None)
+    except (ValueError, storage.StorageError):  # a torn last line, storage away: Ray's record only
+        return None
 
 
 def make_loaders(cfg: TrainConfig, splits: tuple[Split, Split], rank: int, world: int,

@@ -152,3 +152,19 @@ def test_timed_checkpoints_mid_epoch_and_elastic_start_with_what_fits(ray_local,
     assert 1 <= len(kept) <= 2, kept  # --keep-checkpoints 1 best, plus the latest
     with pytest.raises(UsageError, match="--min-workers 3 is more than --num-workers 2"):
         _train(tmp_path, "bad", "--num-workers", "2", "--min-workers", "3")
+
+
+def test_a_checkpoint_ray_has_no_record_of_is_resumed_from(ray_local, tmp_path):
+    """The driver killed right after rank 0 saved a checkpoint: Ray's record (its snapshot) misses
+    it, yet it is complete (its checkpoint_saved event follows the upload), so the rerun takes it.
+    A newer folder without that event (an upload cut off) is not taken."""
+    cfg, rc = _train(tmp_path, "norecord", "--num-workers", "2", "--epochs", "1")
+    assert rc == 0
+    run_dir = cfg.run_dir()
+    os.remove(os.path.join(run_dir, "checkpoint_manager_snapshot.json"))
+    os.makedirs(os.path.join(run_dir, "checkpoint_9999-12-31_23-59-59.000000"))  # partial, newest
+    more, rc = _train(tmp_path, "norecord", "--num-workers", "2", "--epochs", "2")
+    assert rc == 0
+    resumed = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == "resumed"]
+    assert [(e["epoch"], e["step"]) for e in resumed] == [(1, 0)]
+    assert [r["epoch"] for r in _rows(more)] == [1, 2]
