@@ -15,6 +15,7 @@ import torch
 
 from . import storage
 from .config import UsageError
+from .runlog import EVENTS_JSONL, read_jsonl
 from .storage import Location, StorageError, Where
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -98,3 +99,15 @@ def restore_training_state(state: dict, *, model, optimizer) -> None:
     unwrap(model).load_state_dict(state["model"])
     if state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])  # moves state to the params' device
+
+
+def newest_saved_checkpoint(store: Location) -> Optional[str]:
+    """The newest checkpoint folder of this run that rank 0 finished writing (its checkpoint_saved
+    event follows the upload) and that is still there."""
+    try:
+        saved = [e["checkpoint"] for e in read_jsonl(store.join(EVENTS_JSONL))
+                 if e.get("event") == "checkpoint_saved"]
+        return next((name for name in reversed(saved)
+                     if store.join(name, CHECKPOINT_FILE).exists()), None)
+    except (ValueError, StorageError):  # a torn last line, storage away: Ray's record only
+        return None

@@ -15,7 +15,7 @@ import time
 from typing import Optional
 
 from . import metrics, stop, storage
-from .checkpoint import CHECKPOINT_FILE, load_checkpoint
+from .checkpoint import load_checkpoint, newest_saved_checkpoint
 from .config import TrainConfig, UsageError, _flag, choose_use_gpu, is_uri
 from .data import check_data
 from .ports import free_port
@@ -326,15 +326,9 @@ def resources_lost(cfg: TrainConfig, started: float) -> int:
 
 
 def latest_checkpoint(cfg: TrainConfig) -> Optional[str]:
-    """The newest complete checkpoint_* folder of the run (its checkpoint.pt written last)."""
     run_dir = storage.at(cfg.run_dir())
-    try:
-        files = run_dir.files()
-    except (StorageError, FileNotFoundError):
-        return None
-    done = sorted(f.split("/")[0] for f in files
-                  if f.startswith("checkpoint_") and f.endswith("/" + CHECKPOINT_FILE))
-    return run_dir.join(done[-1]).uri if done else None
+    name = newest_saved_checkpoint(run_dir)
+    return run_dir.join(name).uri if name else None
 
 
 def storage_failed(cfg: TrainConfig, started: float, error: str, latest: Optional[str]) -> int:

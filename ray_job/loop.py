@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from . import storage
-from .checkpoint import (CHECKPOINT_FILE, load_checkpoint, restore_training_state, save_checkpoint,
+from .checkpoint import (load_checkpoint, newest_saved_checkpoint, restore_training_state, save_checkpoint,
                          upload_checkpoint)
 from .config import Speed, TrainConfig, UsageError
 from .data import DeviceAugment, Split, build_dataset, load_splits
@@ -41,7 +41,7 @@ from .metrics import EpochMetrics
 from .model import build_model, gradient_bytes, unwrap
 from .optim import build_optimizer, build_scheduler
 from .progress import Progress
-from .runlog import EVENTS_JSONL, TOPOLOGY_JSON, RunLog, finite, read_jsonl
+from .runlog import TOPOLOGY_JSON, RunLog, finite
 from .stop import StopPoller
 
 log = logging.getLogger("ray_job")
@@ -101,18 +101,6 @@ def find_resume_state(cfg: TrainConfig, world_size: int, store: storage.Location
     # A mid-epoch position only makes sense with the same sharding; otherwise redo that epoch.
     same_world = state.get("world_size") == world_size
     return Resume(state["epoch"], state.get("step", 0) if same_world else 0, state)
-
-
-def newest_saved_checkpoint(store: storage.Location) -> Optional[str]:
-    """The newest checkpoint folder of this run that rank 0 finished writing (its checkpoint_saved
-    event follows the upload) and that is still there."""
-    try:
-        saved = [e["checkpoint"] for e in read_jsonl(store.join(EVENTS_JSONL))
-                 if e.get("event") == "checkpoint_saved"]
-        return next((name for name in reversed(saved)
-                     if store.join(name, CHECKPOINT_FILE).exists()), None)
-    except (ValueError, storage.StorageError):  # a torn last line, storage away: Ray's record only
-        return None
 
 
 def make_loaders(cfg: TrainConfig, splits: tuple[Split, Split], rank: int, world: int,

@@ -17,6 +17,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,19 +152,34 @@ def test_node_that_never_joins_fails_the_job_naming_it(slurm_cluster, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_two_jobs_share_the_nodes_at_once(slurm_cluster, tmp_path):
-    args = ["train", *TINY, "--epochs", "1", "--steps-per-epoch", "3"]
-    jobs = [Job(slurm_cluster, tmp_path / name, args) for name in ("a", "b")]
-    infos = [job.wait_done(timeout=800) for job in jobs]
-    for job, info in zip(jobs, infos):
-        assert info["JobState"] == "COMPLETED", job.tail()
-        assert_two_node_run(job, epochs=1)
-        job.assert_cleaned_up()
-    # Both ran on the same two nodes at the same time, each with its own Ray cluster.
-    assert infos[0]["NodeList"] == infos[1]["NodeList"]
-    assert infos[0]["StartTime"] < infos[1]["EndTime"] and infos[1]["StartTime"] < infos[0]["EndTime"]
-    gcs = [re.search(r"GCS (\S+),", job.output)[1] for job in jobs]
+def test_two_jobs_share_the_nodes_and_scancel_stops_only_its_own(slurm_cluster, tmp_path):
+    """Two jobs train on the same two nodes at once, each with its own Ray cluster; `scancel` of
+    one stops every process of it on both nodes within RJ_STOP_TIMEOUT, and the other finishes."""
+    long = Job(slurm_cluster, tmp_path / "a", ["train", *TINY, "--epochs", "3",
+                                               "--synthetic-train-size", "1536"])
+    short = Job(slurm_cluster, tmp_path / "b", ["train", *TINY, "--epochs", "1"])
+    for job in (long, short):
+        job.wait_for(lambda job=job: any(e["event"] == "first_step" for e in job.events()),
+                     timeout=500, what="its first training step")
+    assert long.info()["JobState"] == "RUNNING"
+    assert long.info()["NodeList"] == short.info()["NodeList"]
+    gcs = [re.search(r"GCS (\S+),", job.output)[1] for job in (long, short)]
     assert gcs[0] != gcs[1], gcs
+
+    slurm_cluster.run(["scancel", str(long.id)])
+    cancelled = time.monotonic()
+    assert long.wait_done(timeout=120)["JobState"] == "CANCELLED"
+    long.assert_cleaned_up()
+    gone_s = time.monotonic() - cancelled
+    assert gone_s < 30 + 15, gone_s  # RJ_STOP_TIMEOUT (30 s) per stage, then SIGKILL
+    assert short.cluster.job_process_pids(short.id) or short.info()["JobState"] == "COMPLETED"
+
+    info = short.wait_done(timeout=500)
+    assert info["JobState"] == "COMPLETED", short.tail()
+    assert_two_node_run(short, epochs=1)
+    short.assert_cleaned_up()
+    print(f"\nscancel: every process of job {long.id} gone {gone_s:.1f} s after scancel; job "
+          f"{short.id} on the same nodes finished")
 
 
 @pytest.mark.timeout(400)
