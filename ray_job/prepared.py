@@ -30,6 +30,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -282,54 +283,71 @@ def files_complete(folder: str, manifest: dict) -> Optional[str]:
     return None
 
 
-def _clear_for_writing(out: str) -> None:
-    """Makes `out` ready to be written: a new folder, or a prepared one (its manifest goes first,
-    so that from now on it reads as not ready). Anything else is refused: nothing is overwritten."""
+def _check_target(out: str) -> None:
+    """`out` may be new or a prepared folder (replaced as a whole at the end); anything else is
+    refused, so that nothing of the user's is overwritten."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise DataError(f"--out {out} is a file; give a folder")
     if os.path.isdir(out):
-        ours = [f for f in os.listdir(out)
-                if f == MANIFEST or f.endswith((".arrow", ".arrow.tmp")) or f.startswith(".")]
-        foreign = sorted(set(os.listdir(out)) - set(ours))
+        foreign = sorted(f for f in os.listdir(out) if f != MANIFEST and f != "SOURCE"
+                         and not f.endswith((".arrow", ".arrow.tmp")))
         if foreign:
             raise DataError(f"--out {out} holds other files ({', '.join(foreign[:3])}); give an "
                             f"empty or new folder")
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out, MANIFEST))
-        for f in ours:
-            if f.endswith((".arrow", ".arrow.tmp")):
-                os.remove(os.path.join(out, f))
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create --out {out}: {e.strerror}") from None
 
 
 def write_prepared(source: Source, out: str, shard_mb: float = DEFAULT_SHARD_MB,
                    progress: bool = True) -> dict:
-    """Converts `source` into a prepared folder `out`; returns the manifest (written last)."""
+    """Converts `source` into a prepared folder `out`; returns the manifest.
+
+    Written into `<out>.partial-<pid>` (manifest last) and renamed to `out` once complete, so `out`
+    is at every moment either the old dataset, the new one, or absent; a failure leaves it as it was."""
     from tqdm import tqdm
 
+    out = os.path.abspath(out)
+    _check_target(out)
     if source.geometry is None:
         source.geometry = decide_geometry(source)
-    _clear_for_writing(out)
+    tmp = f"{out}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+    except OSError as e:
+        raise DataError(f"cannot create {tmp}: {e.strerror}") from None
     total = sum(len(v) for v in source.files.values()) or None
-    splits = {}
-    with tqdm(total=total, unit="img", desc=f"preparing {os.path.basename(out) or out}",
-              disable=not progress, mininterval=1.0) as bar:
-        for split in SPLITS:
-            writer = ShardWriter(out, split, schema_for(source.geometry, source.classes, split),
-                                 int(shard_mb * 2**20))
-            for batch in split_batches(source, split, bar):
-                writer.write(batch)
-            writer.close_shard()
-            splits[split] = dict(rows=sum(e["rows"] for e in writer.entries), files=writer.entries)
-    manifest = dict(format=FORMAT, source=dict(kind=source.kind, path=os.path.abspath(source.path),
-                                               fingerprint=source.fingerprint),
-                    classes=list(source.classes), geometry=source.geometry, splits=splits,
-                    created=time.time())
-    write_json_atomic(os.path.join(out, MANIFEST), manifest)
+    try:
+        splits = {}
+        with tqdm(total=total, unit="img", desc=f"preparing {os.path.basename(out)}",
+                  disable=not progress, mininterval=1.0) as bar:
+            for split in SPLITS:
+                writer = ShardWriter(tmp, split, schema_for(source.geometry, source.classes, split),
+                                     int(shard_mb * 2**20))
+                for batch in split_batches(source, split, bar):
+                    writer.write(batch)
+                writer.close_shard()
+                splits[split] = dict(rows=sum(e["rows"] for e in writer.entries), files=writer.entries)
+        manifest = dict(format=FORMAT, source=dict(kind=source.kind, path=os.path.abspath(source.path),
+                                                   fingerprint=source.fingerprint),
+                        classes=list(source.classes), geometry=source.geometry, splits=splits,
+                        created=time.time())
+        write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return manifest
+
+
+def _swap_in(tmp: str, out: str) -> None:
+    if not os.path.isdir(out):
+        os.rename(tmp, out)
+        return
+    old = f"{out}.old-{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out, MANIFEST))  # the old copy reads as not ready from here on
+    os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_json_atomic(path: str, value: dict) -> None:
