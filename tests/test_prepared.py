@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ray_job import prepared
@@ -17,20 +15,7 @@ from ray_job.config import TrainConfig
 from ray_job.data import DataError, check_data, load_cifar10, load_datasets, make_synthetic, write_cifar10
 from ray_job.prepared import PreparedImages
 
-
-def jpeg_folder(root, n_train: int, n_test: int, classes: int = 3, lo: int = 40, hi: int = 120,
-                seed: int = 0) -> None:
-    """root/{train,test}/c<k>/*.jpg of random sizes in [lo, hi]; the class is the colour."""
-    rng = np.random.default_rng(seed)
-    palette = rng.integers(30, 226, (classes, 3))
-    for split, n in (("train", n_train), ("test", n_test)):
-        for i in range(n):
-            c = i % classes
-            h, w = (int(v) for v in rng.integers(lo, hi + 1, 2))
-            img = np.clip(palette[c] + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8)
-            d = os.path.join(root, split, f"c{c}")
-            os.makedirs(d, exist_ok=True)
-            Image.fromarray(img).save(os.path.join(d, f"{i:04d}.jpg"), quality=85)
+from conftest import jpeg_folder
 
 
 @pytest.fixture
