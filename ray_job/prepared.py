@@ -91,7 +91,7 @@ def cifar10_source(src: str) -> Source:
                   dict(layout="raw", height=32, width=32, channels=3))
 
 
-def imagefolder_source(src: str) -> Source:
+def imagefolder_source(src: str, layout: str = "auto") -> Source:
     """DIR/{train,test}/<class>/<image>: classes from train/, test classes must be among them."""
     splits, classes = {}, None
     for split in SPLITS:
@@ -117,7 +117,9 @@ def imagefolder_source(src: str) -> Source:
         splits[split] = items
     entries = [(os.path.relpath(p, src), os.path.getsize(p), label)
                for split in SPLITS for p, label in splits[split]]
-    return Source("imagefolder", src, classes, _fingerprint(entries), splits)
+    source = Source("imagefolder", src, classes, _fingerprint(entries + [layout]), splits)
+    source.geometry = decide_geometry(source, layout) if layout != "auto" else None
+    return source
 
 
 def _image_size(path: str) -> tuple:
@@ -130,14 +132,20 @@ def _image_size(path: str) -> tuple:
         raise DataError(f"cannot read image {path} ({e}); delete or replace it") from None
 
 
-def decide_geometry(source: Source) -> dict:
-    """raw when every image has one size (CIFAR-like uint8), else encoded bytes."""
+def decide_geometry(source: Source, layout: str = "auto") -> dict:
+    """raw when every image has one size (CIFAR-like uint8), else encoded bytes; `layout` encoded
+    keeps the files' bytes even when they share a size (smaller files, decoded in the loader)."""
+    if layout == "encoded":
+        return dict(layout="encoded")
     paths = [p for split in SPLITS for p, _ in source.files[split]]
     with ThreadPoolExecutor(max_workers=8) as pool:
         sizes = set(pool.map(_image_size, paths, chunksize=64))
     if len(sizes) == 1:
         (w, h), = sizes
         return dict(layout="raw", height=h, width=w, channels=3)
+    if layout == "raw":
+        raise DataError(f"--layout raw needs images of one size; {source.path} has {len(sizes)} "
+                        f"sizes (e.g. {sorted(sizes)[:3]}): use --layout auto or encoded")
     return dict(layout="encoded")
 
 
@@ -634,6 +642,9 @@ def main(argv: list[str]) -> int:
                         "if missing) or imagefolder (SRC/train/<class>/*, SRC/test/<class>/*)")
     parser.add_argument("--src", default=None, help="the source folder (with --from)")
     parser.add_argument("--out", default=None, help="the prepared folder to write (with --from)")
+    parser.add_argument("--layout", choices=("auto", "raw", "encoded"), default="auto",
+                        help="imagefolder: raw uint8 when all images share a size (auto), or keep "
+                        "each file's encoded bytes (encoded: smaller, decoded in the loader)")
     parser.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_MB,
                         help="size of each Arrow file in MiB")
     parser.add_argument("--data-dir", default="./data",
@@ -660,7 +671,7 @@ def main(argv: list[str]) -> int:
         ensure_cifar10(src, download=True)
         source = cifar10_source(src)
     else:
-        source = imagefolder_source(src)
+        source = imagefolder_source(src, ns.layout)
     started = time.perf_counter()
     manifest, written = ensure_prepared(source, out, ns.shard_mb, ns.progress)
     if written:
