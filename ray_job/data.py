@@ -249,6 +249,25 @@ def load_datasets(cfg: TrainConfig) -> Datasets:
 
 # --- datasets for the DataLoader -------------------------------------------------------------
 
+def return_large_allocations() -> None:
+    """Makes glibc hand every allocation of 1 MiB or more straight back to the system when freed.
+
+    With DataLoader worker processes, the batches that arrive in shared memory and the float
+    copies made of them per step otherwise leave the training process's heap growing (glibc's
+    adaptive mmap threshold moves up to 32 MiB, and freed blocks stay in its arenas): measured here
+    (bench --data-path, JPEG -> 64 px, 2 loader workers) RssAnon grew by ~45 KiB per image read,
+    288 -> 793 MiB after 12,000 images; with this, 290 MiB. No effect where glibc is not the libc."""
+    import ctypes
+    import ctypes.util
+
+    M_MMAP_THRESHOLD = -3
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
 def _identity(batch):
     return batch
 

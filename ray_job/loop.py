@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from . import storage
 from .checkpoint import load_checkpoint, restore_training_state, save_checkpoint, upload_checkpoint
 from .config import Speed, TrainConfig, UsageError
-from .data import Datasets, DeviceAugment, load_datasets
+from .data import Datasets, DeviceAugment, load_datasets, return_large_allocations
 from .engine import EpochStats, evaluate, global_sums, measure_comm_wait, peak_rss_gib, train_epoch
 from .metrics import EpochMetrics
 from .model import build_model, gradient_bytes, unwrap
@@ -99,6 +99,8 @@ def make_loaders(cfg: TrainConfig, data: Datasets, rank: int, world: int, use_cu
     # per-sample CPU work (decoding, resizing, PIL transforms) runs in DataLoader worker processes
     workers = cfg.loader_workers if cfg.loader_workers >= 0 else (2 if data.cpu_work else 0)
     common = dict(num_workers=workers, pin_memory=use_cuda, persistent_workers=workers > 0)
+    if workers:
+        return_large_allocations()
     train_ds, test_ds = data.train, data.test
     train = DataLoader(train_ds, batch_size=cfg.per_worker_batch(world), shuffle=True,
                        drop_last=True, collate_fn=train_ds.collate_fn, **common)

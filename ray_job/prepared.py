@@ -163,35 +163,36 @@ def schema_for(geometry: dict, classes: tuple, split: str) -> pa.Schema:
 
 class ShardWriter:
     """Writes one split as <split>-NNNNN.arrow files of about `shard_bytes`, each under a temporary
-    name until it is complete; `entries` lists the finished ones for the manifest."""
+    name until it is complete; `entries` lists the finished ones for the manifest.
+
+    A shard is one record batch: its images are one contiguous region of the file, so a reader
+    gathers a batch of indices from it with a single indexing operation (the writer holds one
+    shard in memory, --shard-mb)."""
 
     def __init__(self, out: str, split: str, schema: pa.Schema, shard_bytes: int):
         self.out, self.split, self.schema, self.shard_bytes = out, split, schema, shard_bytes
         self.entries: list = []
-        self.writer, self.sink, self.rows, self.bytes = None, None, 0, 0
+        self.pending: list = []
+        self.bytes = 0
 
     def write(self, batch: pa.RecordBatch) -> None:
-        if self.writer is None:
-            self.name = f"{self.split}-{len(self.entries):05d}.arrow"
-            self.sink = pa.OSFile(os.path.join(self.out, self.name + ".tmp"), "wb")
-            self.writer = pa.ipc.new_file(self.sink, self.schema)
-        self.writer.write_batch(batch)
-        self.rows += batch.num_rows
+        self.pending.append(batch)
         self.bytes += batch.nbytes
         if self.bytes >= self.shard_bytes:
             self.close_shard()
 
     def close_shard(self) -> None:
-        if self.writer is None:
+        if not self.pending:
             return
-        self.writer.close()
-        self.sink.close()
-        tmp = os.path.join(self.out, self.name + ".tmp")
-        os.replace(tmp, os.path.join(self.out, self.name))
-        path = os.path.join(self.out, self.name)
-        self.entries.append(dict(name=self.name, bytes=os.path.getsize(path), sha256=sha256(path),
-                                 rows=self.rows))
-        self.writer, self.rows, self.bytes = None, 0, 0
+        name = f"{self.split}-{len(self.entries):05d}.arrow"
+        path = os.path.join(self.out, name)
+        table = pa.Table.from_batches(self.pending, self.schema).combine_chunks()
+        with pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_file(sink, self.schema) as writer:
+            writer.write_table(table, max_chunksize=max(table.num_rows, 1))
+        os.replace(path + ".tmp", path)
+        self.entries.append(dict(name=name, bytes=os.path.getsize(path), sha256=sha256(path),
+                                 rows=table.num_rows))
+        self.pending, self.bytes = [], 0
 
 
 def sha256(path: str) -> str:
@@ -566,6 +567,10 @@ class PreparedImages(Dataset):
             out = np.empty((len(idx), g["height"], g["width"], g["channels"]), np.uint8)
         else:
             out = np.empty((len(idx), self.image_size, self.image_size, 3), np.uint8)
+        if len(chunks) == 1 and self.device_crop:  # one shard: a single gather
+            images, chunk_labels = chunks[0]
+            np.take(images, idx, axis=0, out=out)
+            return torch.from_numpy(out), torch.from_numpy(chunk_labels[idx].astype(np.int64))
         for c in np.unique(which):
             mask = which == c
             local = idx[mask] - starts[c]
