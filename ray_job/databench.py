@@ -8,7 +8,7 @@ From one image folder of same-size images (or generated CIFAR-shaped images), in
   2. prepared     the same images as a prepared raw dataset, memory-mapped (--data prepared);
   3. jpeg -> S    the same images kept as encoded JPEG bytes (--layout encoded), decoded and
                   resized to --image-size (64) in --loader-workers DataLoader workers.
-Each is a DataLoader over a shuffled epoch (1 and 2: alternated, best of 3 passes) plus the
+Each is a DataLoader over a shuffled epoch (1 and 2: alternated, best of 5 passes) plus the
 device-side augmentation (here on the CPU), as a training worker sees it: images/s per training
 worker and per loader worker, and the peak anonymous memory (RssAnon: not the shared page cache)
 of the process and of its loader workers.
@@ -32,7 +32,7 @@ import torch
 
 from . import prepared
 
-PASSES = 3  # in-memory and prepared loaders: alternated, best pass of each
+PASSES = 5  # in-memory and prepared loaders: alternated, best pass of each
 
 
 def rss_kib(pid: Optional[int] = None) -> dict:

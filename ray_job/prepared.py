@@ -553,6 +553,15 @@ class PreparedImages(Dataset):
         offsets = np.frombuffer(image.buffers()[1], np.int32, len(image) + 1, image.offset * 4)
         return (offsets, np.frombuffer(image.buffers()[2], np.uint8)), labels
 
+    @staticmethod
+    def _tensor_view(chunk: tuple) -> tuple:
+        """torch tensors over the mapped pages (read-only memory: only ever read from)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+            return torch.from_numpy(chunk[0]), torch.from_numpy(chunk[1])
+
     def __getitem__(self, i: int):
         images, labels = self.__getitems__([i])
         return images[0], labels[0]
@@ -567,10 +576,10 @@ class PreparedImages(Dataset):
             out = np.empty((len(idx), g["height"], g["width"], g["channels"]), np.uint8)
         else:
             out = np.empty((len(idx), self.image_size, self.image_size, 3), np.uint8)
-        if len(chunks) == 1 and self.device_crop:  # one shard: a single gather
-            images, chunk_labels = chunks[0]
-            np.take(images, idx, axis=0, out=out)
-            return torch.from_numpy(out), torch.from_numpy(chunk_labels[idx].astype(np.int64))
+        if len(chunks) == 1 and self.device_crop:  # one shard: the in-memory path's own gather
+            images, chunk_labels = self._tensor_view(chunks[0])
+            picked = torch.from_numpy(idx)
+            return images.index_select(0, picked), chunk_labels.index_select(0, picked).long()
         for c in np.unique(which):
             mask = which == c
             local = idx[mask] - starts[c]
