@@ -475,6 +475,10 @@ def open_manifest(folder: str) -> dict:
     if not os.path.isdir(folder):
         raise DataError(f"--data-dir {folder} does not exist. {prepare_hint(folder)}")
     manifest = read_manifest(folder)
+    if manifest is None and os.path.isdir(os.path.join(folder, "train")):
+        raise DataError(f"--data-dir {folder} has no {MANIFEST}: it looks like a folder of images. "
+                        f"HINT: train with --data imagefolder, or run `python -m ray_job prepare-data "
+                        f"--from imagefolder --src {folder} --out OTHER_DIR` and --data-dir OTHER_DIR")
     if manifest is None:
         raise DataError(f"--data-dir {folder} has no {MANIFEST}: not a prepared dataset, or one "
                         f"that was not completely written. {prepare_hint(folder)}")

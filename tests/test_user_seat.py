@@ -205,4 +205,4 @@ def test_own_jpegs_of_any_size_prepare_then_train_from_the_users_folder(tmp_path
 
     bad = train(home, "--data", "prepared", "--data-dir", "my_images", "--storage-path", "results")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --data-dir")
-    assert "prepare-data --from imagefolder" in bad.stderr
+    assert "looks like a folder of images" in bad.stderr and "--data imagefolder" in bad.stderr
