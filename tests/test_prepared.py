@@ -169,3 +169,30 @@ def test_staged_from_s3_once_per_node_and_checked_by_size(s3, cifar_src, tmp_pat
     assert stamps["train-00000.arrow"] == os.stat(os.path.join(local, "train-00000.arrow")).st_mtime_ns
     with pytest.raises(DataError, match="no manifest.json under --data-dir"):
         prepared.stage(s3.uri("datasets/nothing-here"))
+
+
+def test_mid_epoch_resume_sees_exactly_the_rest_of_the_epoch(cifar_src, tmp_path):
+    """train_epoch's skip over a prepared dataset's loader: the same batches an uninterrupted epoch
+    would have had after the saved step, for this rank."""
+    from ray_job.engine import train_epoch
+
+    prepare("cifar10", cifar_src, tmp_path / "p")
+    ds = PreparedImages(str(tmp_path / "p"), "train", 32, True)
+
+    def loader():
+        sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
+        sampler.set_epoch(1)
+        return DataLoader(ds, batch_size=16, sampler=sampler, drop_last=True, collate_fn=ds.collate_fn)
+
+    def run(skip):
+        seen = []
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(32 * 32 * 3, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        train_epoch(model, loader(), opt, sched, torch.nn.CrossEntropyLoss(),
+                    lambda x, train: seen.append(x.clone()) or x.float(), torch.device("cpu"), skip_steps=skip)
+        return seen
+
+    full, resumed = run(0), run(3)
+    assert len(full) == 150 // 16 and len(resumed) == len(full) - 3
+    assert all(torch.equal(a, b) for a, b in zip(full[3:], resumed))
