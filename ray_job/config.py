@@ -106,7 +106,8 @@ class TrainConfig:
                      "crop/flip/normalise on the device; 'torchvision': PIL transforms per sample; "
                      "auto = fast", "data", LOADERS)
     loader_workers: int = _f(-1, "DataLoader worker processes per training worker; -1 = 0 for the "
-                             "fast loader, 2 for torchvision", "data")
+                             "fast loader, 2 where images are decoded or resized on the CPU "
+                             "(torchvision, prepared data not at --image-size)", "data")
     # --- speed ---
     precision: str = _f("auto", "bf16 autocast with fp32 master weights, or fp32; auto = bf16 on "
                         "GPU, fp32 on CPU", "speed", PRECISIONS)
