@@ -402,7 +402,7 @@ def cache_root() -> str:
                                                            "ray_job", "data")
 
 
-def stage(uri: str, progress: bool = False) -> str:
+def stage(uri: str) -> str:
     """A local copy of the prepared dataset at `uri`, made once per node (file lock) in
     cache_root()/<hash of the URI>; files whose size matches the manifest are kept, so later runs
     and requeued jobs copy nothing. The local manifest is written last, as when preparing."""
