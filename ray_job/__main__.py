@@ -14,25 +14,12 @@ USAGE = """usage: python -m ray_job COMMAND [flags]
 
 commands:
   train         train a ResNet on CIFAR-10 with Ray Train (local cluster, --address, or SLURM)
-  prepare-data  download CIFAR-10 into --data-dir (run on a machine with internet)
+  prepare-data  download CIFAR-10 (--data-dir), or convert CIFAR-10 / an image folder into a
+                prepared dataset (--from cifar10|imagefolder --src DIR --out DIR)
   bench         images/s of the seed's pipeline vs this project's step, with and without Ray
   scale         run the trainer for several --workers counts and report speedup and efficiency
 
 `python -m ray_job COMMAND --help` lists a command's flags with their defaults."""
-
-
-def prepare_data(argv: list[str]) -> int:
-    import argparse
-
-    from .data import ensure_cifar10
-
-    parser = argparse.ArgumentParser(prog="python -m ray_job prepare-data",
-                                     description="Download CIFAR-10 (cifar-10-batches-py) into DIR.")
-    parser.add_argument("--data-dir", default="./data", help="target folder (default: ./data)")
-    data_dir = parser.parse_args(argv).data_dir
-    ensure_cifar10(data_dir, download=True)
-    print(f"CIFAR-10 is ready under {data_dir}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_training(parse_train_args(rest))
         if command == "prepare-data":
-            return prepare_data(rest)
+            from .prepared import main as prepare_main
+
+            return prepare_main(rest)
         if command == "bench":
             from .bench import main as bench_main
 

@@ -18,6 +18,7 @@ loop vs ours), and `--vs-ddp --to-accuracy A` races the two recipes to a test ac
     python -m ray_job bench                       # CPU-sized defaults, about a minute here
     python -m ray_job bench --stems imagenet,cifar --batch-size 2048 --steps 50   # one GPU
     python -m ray_job bench --vs-ddp --workers 2  # torchrun vs Ray Train, seed's loop vs ours
+    python -m ray_job bench --data-path --data-src DIR   # the input pipeline alone: see databench.py
 """
 
 from __future__ import annotations
@@ -57,6 +58,19 @@ class BenchConfig:
                           "CPU, 8192 on GPU")
     out: str = _h("", "where the JSON report goes; default results/bench.json, bench_vs_ddp.json with "
                   "--vs-ddp, bench_to_accuracy.json with --to-accuracy")
+    # --- the input pipeline alone (databench.py) ---
+    data_path: bool = _h(False, "instead: the data path alone (no model) on one set of images: in-memory "
+                         "uint8, prepared (memory-mapped), and JPEG bytes decoded to --image-size; img/s "
+                         "per training and loader worker, RssAnon; then RssAnon of 1 vs 2 processes and "
+                         "of a 4x dataset")
+    data_src: str = _h("", "--data-path: image folder of same-size images (SRC/{train,test}/<class>/*); "
+                       "default: generated CIFAR-shaped JPEGs")
+    data_work: str = _h("", "--data-path: folder for the prepared copies (default: beside --out)")
+    data_images: int = _h(20000, "--data-path: images timed per loader")
+    data_generate: int = _h(5000, "--data-path without --data-src: train images to generate")
+    data_memory: bool = _h(True, "--data-path: also the 1-vs-2-processes and 4x-dataset memory measurement")
+    image_size: int = _h(64, "--data-path: the size JPEGs are decoded and resized to")
+    loader_workers: int = _h(2, "--data-path: DataLoader workers for the JPEG path")
     # --- side by side with the seed's raw DDP (vsddp.py) ---
     vs_ddp: bool = _h(False, "instead: the same model, global batch (--batch-size, default the seed's 128) "
                       "and steps under torchrun with --workers processes and under Ray Train with "
@@ -300,9 +314,11 @@ def main(argv: list[str]) -> int:
                             description=__doc__.split("\n\n")[0])
     add_dataclass_args(parser, BenchConfig)
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
-    default_out = ("results/bench_to_accuracy.json" if cfg.to_accuracy else
+    default_out = ("results/bench_data.json" if cfg.data_path else
+                   "results/bench_to_accuracy.json" if cfg.to_accuracy else
                    "results/bench_vs_ddp.json" if cfg.vs_ddp else "results/bench.json")
-    cfg = dataclasses.replace(cfg, out=resolve_path(cfg.out or default_out), data_dir=resolve_path(cfg.data_dir))
+    cfg = dataclasses.replace(cfg, out=resolve_path(cfg.out or default_out), data_dir=resolve_path(cfg.data_dir),
+                              data_src=resolve_path(cfg.data_src), data_work=resolve_path(cfg.data_work))
     if min(cfg.batch_size, cfg.steps, cfg.warmup, cfg.seed_steps, cfg.matmul_size, cfg.eval_every_images) < 0:
         raise UsageError("bench sizes must not be negative (0 picks the device's default)")
     if cfg.repeats < 1:
@@ -312,6 +328,13 @@ def main(argv: list[str]) -> int:
     if not 0 <= cfg.to_accuracy <= 1:
         raise UsageError(f"--to-accuracy is a test accuracy between 0 and 1, not {cfg.to_accuracy}")
     os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
+    if cfg.data_path:
+        if min(cfg.data_images, cfg.data_generate, cfg.loader_workers) < 0 or cfg.image_size < 8:
+            raise UsageError("--data-images, --data-generate, --loader-workers must not be negative, "
+                             "--image-size at least 8")
+        from .databench import main as data_path_main
+
+        return data_path_main(cfg)
     if cfg.vs_ddp:
         from .vsddp import main as vs_ddp_main
 

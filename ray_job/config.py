@@ -20,7 +20,7 @@ class UsageError(Exception):
 
 MODELS = ("resnet18", "resnet34", "resnet50")
 STEMS = ("cifar", "imagenet")
-DATASETS = ("cifar10", "imagefolder", "synthetic")
+DATASETS = ("cifar10", "imagefolder", "prepared", "synthetic")
 LOADERS = ("auto", "fast", "torchvision")
 PRECISIONS = ("auto", "bf16", "fp32")
 SCHEDULES = ("onecycle", "cosine", "constant")
@@ -29,6 +29,8 @@ BATCH_MODES = ("global", "per-worker")
 GRAD_COMPRESSIONS = ("none", "bf16")
 TRISTATE = ("auto", "on", "off")
 PROGRESS = ("auto", "bar", "lines")
+# Fields added after runs were named by default_name(), with their defaults.
+ADDED_FIELDS = {"image_size": 32}
 # Fields that name files or folders: resolved once, on the driver (see `resolve_path`).
 PATH_FIELDS = ("data_dir", "storage_path", "resume_from")
 
@@ -91,9 +93,16 @@ class TrainConfig:
                    "fast, tops out near 85%%", "model", STEMS)
     # --- data ---
     data: str = _f("cifar10", "cifar10 (torchvision's cifar-10-batches-py under --data-dir, "
-                   "downloaded if missing), imagefolder (DIR/train/<class>/*, DIR/test/<class>/*), or "
-                   "synthetic (generated in memory, learnable, no files)", "data", DATASETS)
-    data_dir: str = _f("./data", "dataset folder (must be readable on every node)", "data")
+                   "downloaded if missing), imagefolder (DIR/train/<class>/*, DIR/test/<class>/*; prepared "
+                   "once into DIR/.ray_job_prepared), prepared (the output of `prepare-data --from ...`), "
+                   "or synthetic (generated in memory, learnable, no files)", "data", DATASETS)
+    data_dir: str = _f("./data", "dataset folder (must be readable on every node); for --data "
+                       "prepared also s3://BUCKET/PREFIX, staged once per node into $RJ_DATA_CACHE "
+                       "(default ~/.cache/ray_job/data)", "data")
+    image_size: int = _f(32, "side of the square images the model sees (--data prepared / "
+                         "imagefolder): images of this size stored raw take the fast path (pad-4 "
+                         "crop + flip on the device); others are resized in the DataLoader workers "
+                         "(train: random resized crop + flip; test: resize + center crop)", "data")
     download: bool = _f(True, "download CIFAR-10 when missing (once per node, under a file lock)",
                         "data", bool_flag=True)
     synthetic_train_size: int = _f(1024, "images in the synthetic train split", "data")
@@ -102,7 +111,8 @@ class TrainConfig:
                      "crop/flip/normalise on the device; 'torchvision': PIL transforms per sample; "
                      "auto = fast", "data", LOADERS)
     loader_workers: int = _f(-1, "DataLoader worker processes per training worker; -1 = 0 for the "
-                             "fast loader, 2 for torchvision", "data")
+                             "fast loader, 2 where images are decoded or resized on the CPU "
+                             "(torchvision, prepared data not at --image-size)", "data")
     # --- speed ---
     precision: str = _f("auto", "bf16 autocast with fp32 master weights, or fp32; auto = bf16 on "
                         "GPU, fp32 on CPU", "speed", PRECISIONS)
@@ -174,6 +184,12 @@ class TrainConfig:
         if self.min_workers and self.num_workers and self.min_workers > self.num_workers:
             raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers "
                              f"{self.num_workers}; give --min-workers <= --num-workers")
+        if self.image_size < 8:
+            raise UsageError(f"--image-size must be at least 8, got {self.image_size}")
+        if self.image_size != 32 and self.data in ("cifar10", "synthetic"):
+            raise UsageError(f"--image-size {self.image_size} needs --data prepared or imagefolder "
+                             f"(--data {self.data} is 32x32 in memory); prepare it with `python -m "
+                             f"ray_job prepare-data --from cifar10 ...` to resize it")
         if self.loader_workers < -1:
             raise UsageError("--loader-workers must be -1 (auto) or a count >= 0")
 
@@ -216,6 +232,8 @@ class TrainConfig:
                   "max_failures", "keep_checkpoints", "retry_storage_s", "min_workers",
                   "resource_wait_s", "checkpoint_every_min", "collective_timeout_s"}
         what = {k: v for k, v in sorted(self.to_dict().items()) if k not in ignore}
+        # fields added later count only when set, so the names of existing runs stay the same
+        what = {k: v for k, v in what.items() if not (k in ADDED_FIELDS and v == ADDED_FIELDS[k])}
         digest = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
         return f"ray_job_{self.data}_{self.model}_{digest}"
 

@@ -35,7 +35,7 @@ from . import storage
 from .checkpoint import (load_checkpoint, newest_saved_checkpoint, restore_training_state, save_checkpoint,
                          upload_checkpoint)
 from .config import Speed, TrainConfig, UsageError
-from .data import DeviceAugment, Split, build_dataset, load_splits
+from .data import Datasets, DeviceAugment, load_datasets, return_large_allocations
 from .engine import EpochStats, evaluate, global_sums, measure_comm_wait, peak_rss_gib, train_epoch
 from .metrics import EpochMetrics
 from .model import build_model, gradient_bytes, unwrap
@@ -103,14 +103,13 @@ def find_resume_state(cfg: TrainConfig, world_size: int, store: storage.Location
     return Resume(state["epoch"], state.get("step", 0) if same_world else 0, state)
 
 
-def make_loaders(cfg: TrainConfig, splits: tuple[Split, Split], rank: int, world: int,
-                 use_cuda: bool):
-    train_split, test_split = splits
-    fast = cfg.loader != "torchvision"
-    workers = cfg.loader_workers if cfg.loader_workers >= 0 else (0 if fast else 2)
+def make_loaders(cfg: TrainConfig, data: Datasets, rank: int, world: int, use_cuda: bool):
+    # per-sample CPU work (decoding, resizing, PIL transforms) runs in DataLoader worker processes
+    workers = cfg.loader_workers if cfg.loader_workers >= 0 else (2 if data.cpu_work else 0)
     common = dict(num_workers=workers, pin_memory=use_cuda, persistent_workers=workers > 0)
-    train_ds = build_dataset(train_split, True, fast)
-    test_ds = build_dataset(test_split, False, fast)
+    if workers:
+        return_large_allocations()
+    train_ds, test_ds = data.train, data.test
     train = DataLoader(train_ds, batch_size=cfg.per_worker_batch(world), shuffle=True,
                        drop_last=True, collate_fn=train_ds.collate_fn, **common)
     # Test shards without DistributedSampler's padding, so every image is counted exactly once.
@@ -159,6 +158,8 @@ class Run:
     speed: Speed
     world: int
     steps_per_epoch: int
+    device_augment: str      # Datasets.device_augment: what the device does with a batch
+    data_what: str           # the data path, for the run log
     is_rank0: bool
     store: storage.Location  # the run folder
     files: Optional[RunLog]  # rank 0's writer of the run folder; None elsewhere
@@ -268,10 +269,10 @@ def train_loop_per_worker(config: dict) -> dict:
     torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
     # Bad input found here (data, checkpoint) is no fault a restart fixes: every rank learns of
     # it before the first collective of DDP, and the run ends at once with the driver's error.
-    error, splits, resume = None, None, Resume()
+    error, data, resume = None, None, Resume()
     store = run_store(cfg)
     try:
-        splits = load_splits(cfg)
+        data = load_datasets(cfg)
         resume = find_resume_state(cfg, world, store)
     except UsageError as e:
         error = str(e)
@@ -282,8 +283,8 @@ def train_loop_per_worker(config: dict) -> dict:
     speed = Speed.of(cfg, torch.cuda.is_available())
     if speed.cuda:
         torch.backends.cudnn.benchmark = True
-    train_loader, test_loader = make_loaders(cfg, splits, rank, world, speed.cuda)
-    model = make_model(cfg, len(splits[0].classes), speed.channels_last)
+    train_loader, test_loader = make_loaders(cfg, data, rank, world, speed.cuda)
+    model = make_model(cfg, data.num_classes, speed.channels_last)
     device = next(model.parameters()).device
     steps_per_epoch = len(train_loader) if not cfg.steps_per_epoch else min(cfg.steps_per_epoch, len(train_loader))
     optimizer = build_optimizer(unwrap(model), cfg, world, device)
@@ -296,14 +297,14 @@ def train_loop_per_worker(config: dict) -> dict:
     if cfg.compile:
         model = torch.compile(model)
     run = Run(cfg, model, optimizer, scheduler, train_loader, test_loader, device, speed, world,
-              steps_per_epoch, is_rank0=rank == 0, store=store,
+              steps_per_epoch, data.device_augment, data.what, is_rank0=rank == 0, store=store,
               files=RunLog(store) if rank == 0 else None)
     log_topology(run, dist.get_backend() if dist.is_initialized() else "none (1 worker)")
     return fit_epochs(run, resume)
 
 
 def announce(run: Run, resume: Resume) -> None:
-    cfg, fast = run.cfg, run.cfg.loader != "torchvision"
+    cfg = run.cfg
     run.files.keep_epochs_up_to(resume.epoch)
     if resume.state is not None:
         run.files.event("resumed", epoch=resume.epoch, step=resume.step)
@@ -320,17 +321,18 @@ def announce(run: Run, resume: Resume) -> None:
                      cfg.per_worker_batch(run.world), cfg.scaled_lr(before), cfg.scaled_lr(run.world),
                      resume.epoch + 1, run.world)
     log.info("training %s/%s stem on %d worker(s): %d steps/epoch, global batch %d (%d per "
-             "worker, --batch-mode %s), peak lr %.4g, %s, %s loader", cfg.model, cfg.stem, run.world,
+             "worker, --batch-mode %s), peak lr %.4g, %s, data: %s", cfg.model, cfg.stem, run.world,
              run.steps_per_epoch, cfg.global_batch(run.world), cfg.per_worker_batch(run.world),
              cfg.batch_mode, cfg.scaled_lr(run.world), "bf16" if run.speed.bf16 else "fp32",
-             "fast" if fast else "torchvision")
+             run.data_what)
 
 
 def fit_epochs(run: Run, resume: Resume) -> dict:
     cfg = run.cfg
     memory_format = torch.channels_last if run.speed.channels_last else torch.contiguous_format
-    preprocess = DeviceAugment(run.device, run.speed.channels_last) if cfg.loader != "torchvision" \
-        else (lambda x, train: x.contiguous(memory_format=memory_format))
+    preprocess = (DeviceAugment(run.device, run.speed.channels_last, crop=run.device_augment == "crop")
+                  if run.device_augment != "none"
+                  else (lambda x, train: x.contiguous(memory_format=memory_format)))
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     eval_loss = torch.nn.CrossEntropyLoss()
     if run.is_rank0:

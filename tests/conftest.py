@@ -23,6 +23,26 @@ TINY = ["--data", "synthetic", "--model", "resnet18", "--stem", "imagenet",
         "--log-every", "4"]
 
 
+def jpeg_folder(root, n_train: int, n_test: int, classes: int = 3, lo: int = 40, hi: int = 120,
+                seed: int = 0) -> None:
+    """root/{train,test}/c<k>/*.jpg of random sizes in [lo, hi] px; the class is the colour (plus
+    noise), so a model that learns anything beats chance."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    palette = rng.integers(30, 226, (classes, 3))
+    for split, n in (("train", n_train), ("test", n_test)):
+        for i in range(n):
+            c = i % classes
+            h, w = (int(v) for v in rng.integers(lo, hi + 1, 2))
+            noise = rng.normal(0, 20, (h // 4 + 1, w // 4 + 1, 3))  # blotches, cheap to make
+            img = Image.fromarray(np.clip(palette[c] + noise, 0, 255).astype(np.uint8)).resize((w, h))
+            d = os.path.join(root, split, f"c{c}")
+            os.makedirs(d, exist_ok=True)
+            img.save(os.path.join(d, f"{i:04d}.jpg"), quality=85)
+
+
 def tiny_args(tmp_path, name: str, *extra: str) -> list[str]:
     return [*TINY, "--storage-path", str(tmp_path / "results"), "--name", name, *extra]
 

@@ -31,3 +31,24 @@ def test_bench_smallest_size_writes_consistent_json(tmp_path):
         assert m["flop_share"] == pytest.approx(m["achieved_flops"] / peak)
     assert seed["flops_per_image"] > entry["fast"]["flops_per_image"]  # the same net with a 1000-class head
     assert "device peak (dense 256x256 matmul" in proc.stdout and "of peak" in proc.stdout
+
+
+@pytest.mark.timeout(600)
+def test_bench_data_path_smallest_size_reports_every_path_and_the_memory_rows(tmp_path):
+    out = tmp_path / "bench_data.json"
+    proc = run_cli("bench", "--data-path", "--data-generate", "300", "--data-images", "512",
+                   "--batch-size", "64", "--image-size", "48", "--loader-workers", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    paths = report["paths"]
+    assert set(paths) == {"in-memory uint8 (32 px)", "prepared raw, mmap (32 px)", "prepared JPEG -> 48 px"}
+    for m in paths.values():
+        assert m["images"] > 0 and m["images_per_s"] > 0 and m["anon_peak_mib"] > 0
+    assert paths["prepared JPEG -> 48 px"]["loader_workers"] == 1
+    assert paths["prepared JPEG -> 48 px"]["loader_workers_anon_mib"] > 0  # its worker was measured
+    rows = {(r["kind"], r["dataset_x"], r["world"]): r for r in report["memory"]}
+    assert set(rows) == {(k, x, w) for k, x in (("in-memory", 1), ("prepared", 1), ("prepared", 4))
+                         for w in (1, 2)}
+    assert rows["prepared", 4, 1]["dataset_mib"] == pytest.approx(4 * rows["prepared", 1, 1]["dataset_mib"])
+    assert all(len(r["anon_mib"]) == r["world"] and min(r["anon_mib"]) > 0 for r in rows.values())
+    assert "prepared / in-memory:" in proc.stdout and "a 4x dataset changes RssAnon by" in proc.stdout

@@ -6,7 +6,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import transforms as T
 
 from ray_job.data import (CIFAR10_MEAN, CIFAR10_STD, ArrayDataset, DataError, DeviceAugment, Split,
-                          ensure_cifar10, load_cifar10, load_imagefolder, make_synthetic, write_cifar10)
+                          ensure_cifar10, load_cifar10, load_splits, make_synthetic, write_cifar10)
+from ray_job.config import TrainConfig
 
 
 def test_cifar10_format_round_trips(tmp_path):
@@ -40,15 +41,16 @@ def test_synthetic_is_deterministic_and_classes_differ():
 
 def test_imagefolder_is_decoded_once_to_uint8(tmp_path):
     split = make_synthetic(12, 0, True)
-    for i, (img, label) in enumerate(zip(split.images, split.labels)):
-        d = tmp_path / "train" / f"c{int(label)}"
-        d.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(img.numpy()).save(d / f"{i}.png")
-    loaded = load_imagefolder(str(tmp_path), True)
+    for part in ("train", "test"):
+        for i, (img, label) in enumerate(zip(split.images, split.labels)):
+            d = tmp_path / part / f"c{int(label)}"
+            d.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img.numpy()).save(d / f"{i}.png")
+    loaded, _ = load_splits(TrainConfig(data="imagefolder", data_dir=str(tmp_path)))
     assert loaded.images.dtype == torch.uint8 and len(loaded) == 12
     assert sorted(map(tuple, loaded.images.reshape(12, -1).tolist())) == \
         sorted(map(tuple, split.images.reshape(12, -1).tolist()))  # PNG is lossless
-    assert list(tmp_path.glob(".uint8_train_*.npz"))  # cached for the next worker on this node
+    assert (tmp_path / ".ray_job_prepared" / "manifest.json").exists()  # prepared once, raw uint8
 
 
 def _coded_image() -> np.ndarray:

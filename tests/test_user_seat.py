@@ -18,7 +18,7 @@ import pytest
 
 from ray_job.data import make_synthetic, write_cifar10
 
-from conftest import ROOT
+from conftest import ROOT, jpeg_folder
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -167,3 +167,42 @@ def test_bad_data_only_the_workers_read_ends_the_run_at_once(user_dir):
     assert "Traceback" not in proc.stderr.split("error:")[-1]
     assert out.count("Attempting to start training worker group") == 1, out[-3000:]  # no restart
     print(f"bad data found by the workers: exit 2 after {time.time() - start:.1f} s")
+
+
+def test_own_jpegs_of_any_size_prepare_then_train_from_the_users_folder(tmp_path):
+    """The README's "Your own data" road: a folder of JPEGs of random sizes (100-500 px) ->
+    prepare-data (twice: the second finds it ready) -> train --data prepared at --image-size 64."""
+    home = tmp_path / "me"
+    jpeg_folder(home / "my_images", 240, 60, classes=4, lo=100, hi=500)
+
+    def cli(*args, timeout=600):
+        return subprocess.run([sys.executable, "-m", "ray_job", *args], cwd=home, env=user_env(),
+                              capture_output=True, text=True, timeout=timeout)
+
+    prep = ["prepare-data", "--from", "imagefolder", "--src", "my_images", "--out", "prepared"]
+    first = cli(*prep)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "wrote prepared from my_images" in first.stdout and "encoded (sizes differ)" in first.stdout
+    assert "train 240 images" in first.stdout and "4 classes" in first.stdout
+    assert "preparing prepared" in first.stderr  # the progress bar
+    again = cli(*prep)
+    assert again.returncode == 0 and "already prepared" in again.stdout and "nothing to do" in again.stdout
+    assert sorted(os.listdir(home / "prepared")) == ["manifest.json", "test-00000.arrow", "train-00000.arrow"]
+
+    proc = train(home, "--data", "prepared", "--data-dir", "./prepared", "--image-size", "64",
+                 "--stem", "imagenet", "--model", "resnet18", "--batch-size", "48", "--lr", "0.05",
+                 "--num-workers", "2", "--epochs", "2", "--storage-path", "results", "--log-every", "2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "data: prepared, decoded and resized to 64 px in the loader" in out
+    rows = table_rows(proc.stdout)
+    assert len(rows) == 2 and float(rows[-1][4]) > 0.5, proc.stdout[-2000:]  # chance is 0.25
+    (run_dir,) = (home / "results").iterdir()
+    assert run_dir.name.startswith("ray_job_prepared_resnet18_") and f"results: {run_dir}" in proc.stdout
+    config = strict_file(run_dir / "config.json")
+    assert config["data_dir"] == str(home / "prepared") and config["image_size"] == 64
+    assert [r["epoch"] for r in strict_file(run_dir / "metrics.jsonl")] == [1, 2]
+
+    bad = train(home, "--data", "prepared", "--data-dir", "my_images", "--storage-path", "results")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --data-dir")
+    assert "looks like a folder of images" in bad.stderr and "--data imagefolder" in bad.stderr
