@@ -33,65 +33,62 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .cli import option
 from .config import DATASETS, MODELS, Speed, UsageError, resolve_path
 
 SEED_BATCH = 128
 
 
-def _h(default, help: str, **kw):
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
-
-
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-    model: str = _h("resnet50", "torchvision ResNet to time", choices=MODELS)
-    stems: str = _h("", "comma list of stems (imagenet, cifar); default: imagenet on CPU, "
-                    "imagenet,cifar on GPU")
-    batch_size: int = _h(0, "batch size; 0 = 256 on CPU, 2048 (imagenet stem) / 512 (cifar stem) "
-                         "on GPU; with --vs-ddp the global batch, 0 = the seed's 128")
-    steps: int = _h(0, "timed steps; 0 = 4 on CPU, 50 on GPU (--vs-ddp: 12 on CPU, 50 on GPU)")
-    warmup: int = _h(0, "untimed steps first; 0 = 1 on CPU, 15 on GPU (--vs-ddp: 2 on CPU, 10 on GPU)")
-    seed_steps: int = _h(0, "steps of the seed pipeline; 0 = 4 on CPU, 100 on GPU")
-    compile: bool = _h(False, "torch.compile this project's model")
-    ray: bool = _h(True, "also time the step under Ray Train (1 worker)")
-    matmul_size: int = _h(0, "n of the n x n matmul that measures the device's peak FLOP/s; 0 = 2048 on "
-                          "CPU, 8192 on GPU")
-    out: str = _h("", "where the JSON report goes; default results/bench.json, bench_vs_ddp.json with "
-                  "--vs-ddp, bench_to_accuracy.json with --to-accuracy")
+    model: str = option("resnet50", "torchvision ResNet to time", choices=MODELS)
+    stems: str = option("", "comma list of stems (imagenet, cifar); default: imagenet on CPU, "
+                        "imagenet,cifar on GPU")
+    batch_size: int = option(0, "batch size; 0 = 256 on CPU, 2048 (imagenet stem) / 512 (cifar stem) "
+                             "on GPU; with --vs-ddp the global batch, 0 = the seed's 128")
+    steps: int = option(0, "timed steps; 0 = 4 on CPU, 50 on GPU (--vs-ddp: 12 on CPU, 50 on GPU)")
+    warmup: int = option(0, "untimed steps first; 0 = 1 on CPU, 15 on GPU (--vs-ddp: 2 on CPU, 10 on GPU)")
+    seed_steps: int = option(0, "steps of the seed pipeline; 0 = 4 on CPU, 100 on GPU")
+    compile: bool = option(False, "torch.compile this project's model")
+    ray: bool = option(True, "also time the step under Ray Train (1 worker)")
+    matmul_size: int = option(0, "n of the n x n matmul that measures the device's peak FLOP/s; 0 = 2048 on "
+                              "CPU, 8192 on GPU")
+    out: str = option("", "where the JSON report goes; default results/bench.json, bench_vs_ddp.json with "
+                      "--vs-ddp, bench_to_accuracy.json with --to-accuracy")
     # --- the input pipeline alone (databench.py) ---
-    data_path: bool = _h(False, "instead: the data path alone (no model) on one set of images: in-memory "
-                         "uint8, prepared (memory-mapped), and JPEG bytes decoded to --image-size; img/s "
-                         "per training and loader worker, RssAnon; then RssAnon of 1 vs 2 processes and "
-                         "of a 4x dataset")
-    data_src: str = _h("", "--data-path: image folder of same-size images (SRC/{train,test}/<class>/*); "
-                       "default: generated CIFAR-shaped JPEGs")
-    data_work: str = _h("", "--data-path: folder for the prepared copies (default: beside --out)")
-    data_images: int = _h(20000, "--data-path: images timed per loader")
-    data_generate: int = _h(5000, "--data-path without --data-src: train images to generate")
-    data_memory: bool = _h(True, "--data-path: also the 1-vs-2-processes and 4x-dataset memory measurement")
-    image_size: int = _h(64, "--data-path: the size JPEGs are decoded and resized to")
-    loader_workers: int = _h(2, "--data-path: DataLoader workers for the JPEG path")
+    data_path: bool = option(False, "instead: the data path alone (no model) on one set of images: in-memory "
+                             "uint8, prepared (memory-mapped), and JPEG bytes decoded to --image-size; img/s "
+                             "per training and loader worker, RssAnon; then RssAnon of 1 vs 2 processes and "
+                             "of a 4x dataset")
+    data_src: str = option("", "--data-path: image folder of same-size images (SRC/{train,test}/<class>/*); "
+                           "default: generated CIFAR-shaped JPEGs")
+    data_work: str = option("", "--data-path: folder for the prepared copies (default: beside --out)")
+    data_images: int = option(20000, "--data-path: images timed per loader")
+    data_generate: int = option(5000, "--data-path without --data-src: train images to generate")
+    data_memory: bool = option(True, "--data-path: also the 1-vs-2-processes and 4x-dataset memory measurement")
+    image_size: int = option(64, "--data-path: the size JPEGs are decoded and resized to")
+    loader_workers: int = option(2, "--data-path: DataLoader workers for the JPEG path")
     # --- side by side with the seed's raw DDP (vsddp.py) ---
-    vs_ddp: bool = _h(False, "instead: the same model, global batch (--batch-size, default the seed's 128) "
-                      "and steps under torchrun with --workers processes and under Ray Train with "
-                      "--workers workers, each with the seed's loop and with ours; steady img/s, launch to "
-                      "first step, peak memory per process, FLOP share, ratios")
-    workers: int = _h(1, "--vs-ddp: processes (torchrun) and workers (Ray Train); one GPU each on GPU")
-    repeats: int = _h(1, "--vs-ddp: passes over the four runs, interleaved; each keeps its pass with the "
-                      "least CPU used outside its processes (other jobs, the launcher's daemons)")
-    run_timeout_s: float = _h(1800.0, "--vs-ddp: give up on a torchrun run after this many seconds")
-    to_accuracy: float = _h(0.0, "--vs-ddp: instead of throughput, train the seed's recipe (torchrun) and "
-                            "--recipe fast (Ray Train) until this test accuracy or --budget-s each (0 = off)")
-    budget_s: float = _h(600.0, "--to-accuracy: time budget per recipe, seconds from its launch")
-    eval_every_images: int = _h(0, "--to-accuracy: evaluate every this many training images, for both "
-                                "recipes (0 = once per epoch)")
-    data: str = _h("synthetic", "--to-accuracy: dataset, as `train --data`", choices=DATASETS)
-    data_dir: str = _h("./data", "--to-accuracy: dataset folder (cifar10 / imagefolder)")
-    synthetic_train_size: int = _h(1024, "--to-accuracy: images in the synthetic train split")
-    synthetic_test_size: int = _h(256, "--to-accuracy: images in the synthetic test split")
-    ours_flags: str = _h("", "--to-accuracy: more `train` flags for our recipe, on top of --recipe fast "
-                         "(e.g. '--epochs 4 --batch-size 512')")
-    seed_flags: str = _h("", "--to-accuracy: more ray_job.peers.seed_ddp flags for the seed's recipe")
+    vs_ddp: bool = option(False, "instead: the same model, global batch (--batch-size, default the seed's 128) "
+                          "and steps under torchrun with --workers processes and under Ray Train with "
+                          "--workers workers, each with the seed's loop and with ours; steady img/s, launch to "
+                          "first step, peak memory per process, FLOP share, ratios")
+    workers: int = option(1, "--vs-ddp: processes (torchrun) and workers (Ray Train); one GPU each on GPU")
+    repeats: int = option(1, "--vs-ddp: passes over the four runs, interleaved; each keeps its pass with the "
+                          "least CPU used outside its processes (other jobs, the launcher's daemons)")
+    run_timeout_s: float = option(1800.0, "--vs-ddp: give up on a torchrun run after this many seconds")
+    to_accuracy: float = option(0.0, "--vs-ddp: instead of throughput, train the seed's recipe (torchrun) and "
+                                "--recipe fast (Ray Train) until this test accuracy or --budget-s each (0 = off)")
+    budget_s: float = option(600.0, "--to-accuracy: time budget per recipe, seconds from its launch")
+    eval_every_images: int = option(0, "--to-accuracy: evaluate every this many training images, for both "
+                                    "recipes (0 = once per epoch)")
+    data: str = option("synthetic", "--to-accuracy: dataset, as `train --data`", choices=DATASETS)
+    data_dir: str = option("./data", "--to-accuracy: dataset folder (cifar10 / imagefolder)")
+    synthetic_train_size: int = option(1024, "--to-accuracy: images in the synthetic train split")
+    synthetic_test_size: int = option(256, "--to-accuracy: images in the synthetic test split")
+    ours_flags: str = option("", "--to-accuracy: more `train` flags for our recipe, on top of --recipe fast "
+                             "(e.g. '--epochs 4 --batch-size 512')")
+    seed_flags: str = option("", "--to-accuracy: more ray_job.peers.seed_ddp flags for the seed's recipe")
 
     def resolved(self, cuda: bool) -> BenchConfig:
         pick = (lambda gpu, cpu: gpu if cuda else cpu)

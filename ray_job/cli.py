@@ -36,6 +36,11 @@ def _value_type(field: dataclasses.Field) -> Any:
     return str if field.default is None else type(field.default)
 
 
+def option(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field that `add_dataclass_args` turns into a flag (kw: choices, bool_flag, ...)."""
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = (),
                        titles: Optional[dict] = None) -> None:
     """One flag per field of the dataclass `cls`: same name (`-` for `_`), default, help, choices.

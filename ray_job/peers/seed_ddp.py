@@ -38,39 +38,36 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..cli import option
 from ..config import DATASETS, MODELS, STEMS, TrainConfig, UsageError, resolve_path
 from ..engine import EpochStats, evaluate, global_sums, peak_rss_gib
 
 
-def _h(default, help: str, **kw):
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
-
-
 @dataclasses.dataclass(frozen=True)
 class SeedArgs:
-    model: str = _h("resnet50", "torchvision ResNet", choices=MODELS)
-    stem: str = _h("imagenet", "'imagenet': torchvision's own stem, as the seed; 'cifar': ray_job's "
-                   "CIFAR stem (for same-model comparisons)", choices=STEMS)
-    num_classes: int = _h(1000, "outputs of the head (the seed kept torchvision's 1000)")
-    data: str = _h("cifar10", "cifar10 (cifar-10-batches-py under --data-dir, downloaded if missing), "
-                   "imagefolder (DIR/{train,test}/<class>/*), or synthetic", choices=DATASETS)
-    data_dir: str = _h("./data", "dataset folder")
-    synthetic_train_size: int = _h(1024, "images in the synthetic train split")
-    synthetic_test_size: int = _h(256, "images in the synthetic test split")
-    epochs: int = _h(30, "epochs to train")
-    batch_size: int = _h(128, "global batch, split evenly across the processes (the seed's 128)")
-    lr: float = _h(1e-4, "SGD learning rate, constant")
-    momentum: float = _h(0.9, "SGD momentum")
-    loader_workers: int = _h(0, "DataLoader worker processes per process")
-    print_every: int = _h(10, "rank 0 prints loss, data ms and train ms every N steps (0 = never)")
-    checkpoint: str = _h("", "resume from this checkpoint (epoch_<N>/ folder or its checkpoint.pt)")
-    checkpoint_dir: str = _h("./checkpoints", "rank 0 writes <dir>/epoch_<N>/checkpoint.pt after every epoch")
-    steps_per_epoch: int = _h(0, "cap on steps per epoch (0 = the whole epoch); an evaluation follows")
-    eval: bool = _h(True, "evaluate test accuracy after every epoch")
-    target_acc: float = _h(0.0, "stop after the first evaluation at or above this test accuracy (0 = off)")
-    time_budget_s: float = _h(0.0, "stop after the first epoch that ends this many seconds after start (0 = off)")
-    report_json: str = _h("", "rank 0 writes per-epoch times and accuracies here (strict JSON)")
-    seed: int = _h(0, "random seed (model init, synthetic data, shuffling)")
+    model: str = option("resnet50", "torchvision ResNet", choices=MODELS)
+    stem: str = option("imagenet", "'imagenet': torchvision's own stem, as the seed; 'cifar': ray_job's "
+                       "CIFAR stem (for same-model comparisons)", choices=STEMS)
+    num_classes: int = option(1000, "outputs of the head (the seed kept torchvision's 1000)")
+    data: str = option("cifar10", "cifar10 (cifar-10-batches-py under --data-dir, downloaded if missing), "
+                       "imagefolder (DIR/{train,test}/<class>/*), or synthetic", choices=DATASETS)
+    data_dir: str = option("./data", "dataset folder")
+    synthetic_train_size: int = option(1024, "images in the synthetic train split")
+    synthetic_test_size: int = option(256, "images in the synthetic test split")
+    epochs: int = option(30, "epochs to train")
+    batch_size: int = option(128, "global batch, split evenly across the processes (the seed's 128)")
+    lr: float = option(1e-4, "SGD learning rate, constant")
+    momentum: float = option(0.9, "SGD momentum")
+    loader_workers: int = option(0, "DataLoader worker processes per process")
+    print_every: int = option(10, "rank 0 prints loss, data ms and train ms every N steps (0 = never)")
+    checkpoint: str = option("", "resume from this checkpoint (epoch_<N>/ folder or its checkpoint.pt)")
+    checkpoint_dir: str = option("./checkpoints", "rank 0 writes <dir>/epoch_<N>/checkpoint.pt after every epoch")
+    steps_per_epoch: int = option(0, "cap on steps per epoch (0 = the whole epoch); an evaluation follows")
+    eval: bool = option(True, "evaluate test accuracy after every epoch")
+    target_acc: float = option(0.0, "stop after the first evaluation at or above this test accuracy (0 = off)")
+    time_budget_s: float = option(0.0, "stop after the first epoch that ends this many seconds after start (0 = off)")
+    report_json: str = option("", "rank 0 writes per-epoch times and accuracies here (strict JSON)")
+    seed: int = option(0, "random seed (model init, synthetic data, shuffling)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

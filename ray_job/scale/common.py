@@ -10,10 +10,11 @@ import argparse
 import dataclasses
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
-from ..cli import ArgumentParser, Formatter, add_config_args, add_dataclass_args, apply_recipe, config_from_args
+from ..cli import (ArgumentParser, Formatter, add_config_args, add_dataclass_args, apply_recipe, config_from_args,
+                   option)
 from ..config import TrainConfig, UsageError
 from ..runlog import read_json
 from . import commmodel
@@ -69,39 +70,35 @@ def worker_list(text: str) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def _opt(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
-
-
 @dataclass(frozen=True)
 class ScaleOptions:
     """The flags of `scale` that are not train flags: which points, and the model's assumptions."""
 
     # --- the sweep ---
-    workers: tuple[int, ...] = _opt((1, 2, 4, 8), "worker counts, comma-separated (1 is always "
-                                    "added: it is the baseline)", type=worker_list)
-    mode: str = _opt("both", "strong: fixed global --batch-size split across workers (the seed's "
-                     "chart); weak: every worker takes --batch-size", choices=("strong", "weak", "both"))
-    link: str = _opt("auto", f"interconnect for the model: {', '.join(commmodel.LINKS)}, custom (give "
-                     "both numbers), or auto (a sweep on one node: nvlink with NCCL, loopback with gloo; "
-                     "several nodes: ib. --predict: ib)")
-    bandwidth_gbps: Optional[float] = _opt(None, "override the link's bus bandwidth (Gbit/s)", type=float)
-    latency_us: Optional[float] = _opt(None, "override the link's per-step latency (us)", type=float)
-    overlap: Optional[bool] = _opt(None, "model DDP's overlap of all-reduce with backward; default: on "
-                                   "for GPU workers, off for CPU workers (gloo reduces on the cores "
-                                   "that compute backward, so little is hidden); --predict prints both",
-                                   bool_flag=True)
+    workers: tuple[int, ...] = option((1, 2, 4, 8), "worker counts, comma-separated (1 is always "
+                                      "added: it is the baseline)", type=worker_list)
+    mode: str = option("both", "strong: fixed global --batch-size split across workers (the seed's "
+                       "chart); weak: every worker takes --batch-size", choices=("strong", "weak", "both"))
+    link: str = option("auto", f"interconnect for the model: {', '.join(commmodel.LINKS)}, custom (give "
+                       "both numbers), or auto (a sweep on one node: nvlink with NCCL, loopback with gloo; "
+                       "several nodes: ib. --predict: ib)")
+    bandwidth_gbps: Optional[float] = option(None, "override the link's bus bandwidth (Gbit/s)", type=float)
+    latency_us: Optional[float] = option(None, "override the link's per-step latency (us)", type=float)
+    overlap: Optional[bool] = option(None, "model DDP's overlap of all-reduce with backward; default: on "
+                                     "for GPU workers, off for CPU workers (gloo reduces on the cores "
+                                     "that compute backward, so little is hidden); --predict prints both",
+                                     bool_flag=True)
     # --- on paper ---
-    predict: bool = _opt(False, "print the model's projection and exit")
-    from_path: Optional[str] = _opt(None, "take the single-worker step and gradient size (and train "
-                                    "flags' defaults) from a previous sweep's scaling.json")
-    step_ms: Optional[float] = _opt(None, "single-worker step time at --batch-size per worker (default: "
-                                    "a reference measurement on one H200 for resnet50, both stems)",
-                                    type=float)
-    optim_ms: Optional[float] = _opt(None, "part of --step-ms that does not shrink with the batch "
-                                     "(optimizer step); default 0", type=float)
-    grad_mb: Optional[float] = _opt(None, "MB all-reduced per step (default: from --model, fp32, "
-                                    "halved by --grad-compression bf16)", type=float)
+    predict: bool = option(False, "print the model's projection and exit")
+    from_path: Optional[str] = option(None, "take the single-worker step and gradient size (and train "
+                                      "flags' defaults) from a previous sweep's scaling.json")
+    step_ms: Optional[float] = option(None, "single-worker step time at --batch-size per worker (default: "
+                                      "a reference measurement on one H200 for resnet50, both stems)",
+                                      type=float)
+    optim_ms: Optional[float] = option(None, "part of --step-ms that does not shrink with the batch "
+                                       "(optimizer step); default 0", type=float)
+    grad_mb: Optional[float] = option(None, "MB all-reduced per step (default: from --model, fp32, "
+                                      "halved by --grad-compression bf16)", type=float)
 
     def __post_init__(self) -> None:
         if self.mode not in ("strong", "weak", "both"):
