@@ -7,7 +7,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ import time
 import urllib.request
 
 import pytest
+from processes import stop_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough for 2 CPU cores: resnet18 with the ImageNet stem trains at ~300 img/s there.
@@ -170,22 +170,6 @@ def _wait_for_job_server(head: RayHead, proc: subprocess.Popen, timeout: float) 
                        f"{head.log_tail()}")
 
 
-def _stop_head(proc: subprocess.Popen, timeout: float = 30) -> None:
-    """SIGTERM to `ray start --block` stops this head's processes; SIGKILL its own process
-    group (the session it was started in) if that takes too long."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of this head only
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 @pytest.fixture(scope="module")
 def ray_head():
     """A real `ray start --head --block` cluster (2 CPUs, token auth) for `ray job submit`;
@@ -217,7 +201,7 @@ def ray_head():
         print(f"\nray head pid {proc.pid} at {address} up in {time.monotonic() - started:.1f} s")
         yield head
     finally:
-        _stop_head(proc)
+        stop_session(proc, timeout=30)  # `ray start --block` stops this head's processes
         shutil.rmtree(tmp, ignore_errors=True)
 # --- ray head fixtures ---
 

@@ -15,13 +15,14 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
+
+from processes import stop_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEED = os.path.join(os.path.dirname(sys.executable), "weed")
@@ -144,19 +145,8 @@ class S3Server:
     def stop(self, timeout: float = 20) -> None:
         """SIGTERM to `weed mini` by its PID, then SIGKILL to its own process group."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        if proc is not None:
+            stop_session(proc, timeout)
 
     @property
     def running(self) -> bool:
