@@ -109,12 +109,13 @@ def connect(cfg: TrainConfig) -> None:
         ray.init(address="local", dashboard_port=port, runtime_env=runtime_env)
 
 
-def workers_that_fit(cpus: float, gpus: float) -> int:
-    """How many workers of this size the alive nodes can ever hold (not just right now)."""
+def workers_that_fit(cpus: float, gpus: float, nodes: Optional[list] = None) -> int:
+    """How many workers of this size the alive nodes (default: ray.nodes()) can ever hold (not
+    just right now)."""
     import ray
 
     total = 0
-    for node in ray.nodes():
+    for node in ray.nodes() if nodes is None else nodes:
         if not node.get("Alive"):
             continue
         res = node.get("Resources", {})
@@ -157,9 +158,10 @@ def missing_resources(cfg: TrainConfig) -> str:
     import ray
 
     gpus = cfg.gpus_per_worker if cfg.use_gpu else 0
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    dead = [n.get("NodeManagerAddress", "?") for n in ray.nodes() if not n.get("Alive")]
-    fits = workers_that_fit(cfg.cpus_per_worker, gpus)
+    nodes = ray.nodes()
+    alive = [n for n in nodes if n.get("Alive")]
+    dead = [n.get("NodeManagerAddress", "?") for n in nodes if not n.get("Alive")]
+    fits = workers_that_fit(cfg.cpus_per_worker, gpus, nodes)
     text = (f"the cluster holds {fits} of the {cfg.num_workers} workers of "
             f"{worker_size(cfg.cpus_per_worker, gpus)} each ({len(alive)} node(s) alive")
     return text + (f"; lost: {', '.join(sorted(set(dead)))})" if dead else ")")
