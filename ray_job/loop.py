@@ -91,9 +91,8 @@ def find_resume_state(cfg: TrainConfig, world_size: int, store: storage.Location
         log.info("resuming from %s: saved completely, but Ray has no record of it (the driver "
                  "stopped right after it was written)", saved)
         state = load_checkpoint(store.join(saved))
-    elif checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            state = load_checkpoint(d)
+    elif checkpoint is not None:  # read by this worker itself, not through a shared download
+        state = load_checkpoint(store.at_path(checkpoint.path))
     elif cfg.resume_from:
         state = load_checkpoint(cfg.resume_from, near=store)
     else:

@@ -141,9 +141,23 @@ class Location:
         return isinstance(self.fs, pafs.LocalFileSystem)
 
     def join(self, *parts: str) -> Location:
-        sep = os.sep if self.is_local else "/"
+        sep = self._sep
         return Location(self.fs, sep.join([self.path.rstrip(sep), *parts]),
                         sep.join([self.uri.rstrip(sep), *parts]))
+
+    @property
+    def name(self) -> str:
+        """The last part of the path (a file's or folder's own name)."""
+        return self.path.rstrip(self._sep).rsplit(self._sep, 1)[-1]
+
+    def parent(self) -> Location:
+        """The folder that holds this file or folder."""
+        return Location(self.fs, self.path.rstrip(self._sep).rsplit(self._sep, 1)[0],
+                        self.uri.rstrip(self._sep).rsplit(self._sep, 1)[0])
+
+    @property
+    def _sep(self) -> str:
+        return os.sep if self.is_local else "/"
 
     def at_path(self, fs_path: str) -> Location:
         """Another path on the same filesystem (e.g. a checkpoint that Ray reports)."""
@@ -225,12 +239,18 @@ class Location:
 
     def upload_dir(self, local_dir: str) -> None:
         """Copies a local folder here; a failed copy is removed (best effort), never left half."""
+        self.upload_files(local_dir, sorted(os.listdir(local_dir)))
+
+    def upload_files(self, local_dir: str, names: list[str]) -> None:
+        """Copies these files of a local folder into this folder, one after the other, in order;
+        if one fails, the folder is removed (best effort), never left half."""
         try:
             self.fs.create_dir(self.path, recursive=True)
-            # pyarrow's threaded uploads to S3 are unsafe (apache/arrow#32372), as Ray notes
-            pafs.copy_files(local_dir, self.path, source_filesystem=pafs.LocalFileSystem(),
-                            destination_filesystem=self.fs, chunk_size=CHUNK,
-                            use_threads=self.is_local)
+            for name in names:
+                # pyarrow's threaded uploads to S3 are unsafe (apache/arrow#32372), as Ray notes
+                pafs.copy_files(os.path.join(local_dir, name), self.join(name).path,
+                                source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs,
+                                chunk_size=CHUNK, use_threads=False)
         except (OSError, pyarrow.ArrowException) as e:
             with contextlib.suppress(OSError):
                 self.delete()
