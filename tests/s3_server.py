@@ -4,9 +4,7 @@ Every port is chosen free (so two test runs on one machine do not clash), the da
 caller's, the server enforces the credentials of the identities in its config (an administrator
 and a read-only user; anonymous requests are refused), buckets are not created on upload (as on
 AWS), and it is stopped by its PID -- and started again on the same ports and data for the storage
-fault tests.
-
-    python tests/s3_server.py measure    # upload time of one ResNet-50 checkpoint (prints figures)
+fault tests. `python -m ray_job bench checkpoints` starts one too, to measure uploads.
 """
 
 from __future__ import annotations
@@ -14,10 +12,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -42,7 +38,7 @@ def missing_requirement() -> Optional[str]:
 def choose_ports() -> dict[str, int]:
     """A free block above the ephemeral range for everything but the admin HTTP port, which lies
     10000 below the block's last port (and is checked free too)."""
-    from ray_job.ports import free_port_block, is_free
+    from ray_job.cluster.ports import free_block as free_port_block, is_free
 
     for k in range(50):
         base = free_port_block(len(PORTS), 61000, 65535, slot=os.getpid() + 7 * k)
@@ -190,78 +186,3 @@ class S3Server:
                 return "".join(f.readlines()[-n:])
         except OSError:
             return ""
-
-
-# --- measurement: one ResNet-50 checkpoint to the local server --------------------------------
-
-def measure(repeats: int = 3, epochs: int = 2) -> None:
-    """Prints (1) the upload time of one ResNet-50 checkpoint (model + SGD momentum, as training
-    saves it) through ray_job's storage layer, `repeats` times; (2) a real 1-worker ResNet-50 run
-    with --storage-path s3://...: each checkpoint's upload time (events.jsonl) against its epoch."""
-    import torch
-
-    from ray_job import storage
-    from ray_job.checkpoint import save_checkpoint
-    from ray_job.model import build_model
-
-    model = build_model("resnet50", "cifar", 10)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(2, 3, 32, 32)).sum().backward()
-    opt.step()  # fills the momentum buffers: a checkpoint as large as a real one
-    root = tempfile.mkdtemp(prefix="rjm", dir="/tmp")
-    server = S3Server(root).start()
-    try:
-        os.environ.update({k: v for k, v in server.env().items() if k.startswith("AWS_")})
-        with tempfile.TemporaryDirectory() as d:
-            started = time.perf_counter()
-            save_checkpoint(d, model=model, optimizer=opt, epoch=1, step=0, config={}, metrics={})
-            save_s = time.perf_counter() - started
-            size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
-            print(f"ResNet-50 checkpoint (model + momentum): {size / 2**20:.1f} MiB, written "
-                  f"locally in {save_s:.2f} s")
-            for i in range(repeats):
-                dest = storage.at(server.uri(f"measure/checkpoint_{i}"))
-                started = time.perf_counter()
-                dest.upload_dir(d)
-                up = time.perf_counter() - started
-                print(f"upload {i + 1}/{repeats} to {server.endpoint}: {up:.2f} s "
-                      f"({size / 2**20 / up:.0f} MiB/s)")
-            started = time.perf_counter()
-            data = dest.join("checkpoint.pt").read_bytes()
-            down = time.perf_counter() - started
-            print(f"download: {down:.2f} s ({len(data) / 2**20 / down:.0f} MiB/s)")
-        measure_training(server, epochs)
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def measure_training(server: S3Server, epochs: int) -> None:
-    args = [sys.executable, "-m", "ray_job", "train", "--data", "synthetic", "--model", "resnet50",
-            "--stem", "imagenet", "--num-workers", "1", "--epochs", str(epochs), "--batch-size",
-            "128", "--synthetic-train-size", "1024", "--synthetic-test-size", "256",
-            "--log-every", "0", "--storage-path", server.uri("measure"), "--name", "r50"]
-    env = {**server.env(), "PYTHONPATH": ROOT}
-    env.pop("RAY_ADDRESS", None)
-    print("\n$ " + " ".join(args[1:]))
-    started = time.perf_counter()
-    proc = subprocess.run(args, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print((proc.stdout + proc.stderr)[-3000:])
-        return
-    print(f"run: {time.perf_counter() - started:.0f} s wall")
-    rows = [json.loads(line) for line in server.read("measure/r50/metrics.jsonl").decode().splitlines()]
-    events = [json.loads(line) for line in server.read("measure/r50/events.jsonl").decode().splitlines()]
-    saved = [e for e in events if e["event"] == "checkpoint_saved"]
-    for row, e in zip(rows, saved):
-        print(f"epoch {row['epoch']}: {row['epoch_s']:.1f} s (train {row['train_s']:.1f} + eval "
-              f"{row['eval_s']:.1f}); checkpoint {e['bytes'] / 2**20:.0f} MiB uploaded in "
-              f"{e['upload_s']:.2f} s = +{100 * e['upload_s'] / row['epoch_s']:.0f}% of the epoch")
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
-    if sys.argv[1:] == ["measure"]:
-        measure()
-    else:
-        sys.exit(__doc__)

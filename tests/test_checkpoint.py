@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fsfaults
-from ray_job.checkpoint import (CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError, load_checkpoint,
+from ray_job.train.checkpoint import (CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError, load_checkpoint,
                                 save_checkpoint, upload_checkpoint)
 from ray_job.storage import Location, StorageError, at
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, TINY, run_cli, tiny_args
-from ray_job.runlog import read_jsonl
+from ray_job.storage import read_jsonl
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -62,6 +62,7 @@ def test_data_dir_that_is_a_file_and_corrupt_checkpoint(tmp_path):
     _assert_one_line_error(run_cli("train", *TINY, "--storage-path", str(bad / "sub")), "not writable")
 
 
+@pytest.mark.ray
 def test_more_workers_than_the_machine_fails_before_waiting(tmp_path):
     run_dir = _sentinel_run(tmp_path)
     start = time.time()
@@ -100,6 +101,7 @@ def _checkpoint_registered(run_dir) -> bool:
         and any(e["epoch"] == 2 for e in started)
 
 
+@pytest.mark.ray
 def test_killed_worker_is_replaced_and_training_continues(tmp_path):
     """SIGKILL a real Ray Train worker process mid-epoch; the group restarts from the checkpoint."""
     args = tiny_args(tmp_path, "kill", "--num-workers", "2", "--epochs", "3", "--max-failures", "1",

@@ -2,8 +2,9 @@ import os
 
 import pytest
 
-from ray_job.cli import parse_train_args
-from ray_job.config import TrainConfig, UsageError
+from ray_job.config import parse_train_args
+from ray_job.config import TrainConfig
+from ray_job.core.errors import UsageError
 
 
 def test_flags_map_onto_fields_and_defaults():
@@ -51,7 +52,7 @@ def test_config_round_trips_through_a_dict():
 
 
 def test_paths_are_resolved_once_against_the_users_folder(tmp_path, monkeypatch):
-    from ray_job.config import resolve_path
+    from ray_job.core.paths import resolve_path
 
     monkeypatch.chdir(tmp_path)
     cfg = TrainConfig(storage_path="results", data_dir="./data", resume_from="../x/checkpoint_1",
@@ -69,7 +70,7 @@ def test_paths_are_resolved_once_against_the_users_folder(tmp_path, monkeypatch)
 def test_strict_json_writes_null_for_nan_and_refuses_to_read_nan(tmp_path):
     import math
 
-    from ray_job.runlog import read_json, write_json
+    from ray_job.storage import read_json, write_json
 
     path = str(tmp_path / "s.json")
     write_json(path, {"best": math.nan, "rows": [math.inf, 1.5], "nested": {"x": -math.inf}})
@@ -96,7 +97,8 @@ def test_progress_lines_every_n_steps_with_speed_and_eta(caplog):
 
     import torch
 
-    from ray_job.progress import Progress, hms
+    from ray_job.train.engine import Step
+    from ray_job.train.progress import Progress, hms
 
     logger = logging.getLogger("ray_job")
     logger.propagate, logger.level = True, logging.INFO
@@ -104,7 +106,7 @@ def test_progress_lines_every_n_steps_with_speed_and_eta(caplog):
                  every_s=3600)
     with caplog.at_level(logging.INFO, logger="ray_job"):
         for step in range(1, 11):
-            p.on_step(step, torch.tensor(2.0 - step / 10), 0.001, 0.01)
+            p.on_step(Step(step, torch.tensor(2.0 - step / 10), 0.001, 0.01))
     lines = [r.getMessage() for r in caplog.records if "Step [" in r.getMessage()]
     assert [line.split("Step [")[1].split("]")[0] for line in lines] == ["1/10", "4/10", "8/10", "10/10"]
     assert all("Epoch [1/3]" in line and "img/s" in line and "ETA epoch" in line and ", run " in line
@@ -114,7 +116,7 @@ def test_progress_lines_every_n_steps_with_speed_and_eta(caplog):
     quiet = Progress("lines", 0, 1, 10, 0, 64, log_every=0)
     with caplog.at_level(logging.INFO, logger="ray_job"):
         caplog.clear()
-        quiet.on_step(1, torch.tensor(1.0), 0.0, 0.0)
+        quiet.on_step(Step(1, torch.tensor(1.0), 0.0, 0.0))
     assert not caplog.records  # --log-every 0: epoch lines only
 
 
@@ -126,3 +128,26 @@ def test_default_name_is_the_same_for_the_same_command():
     assert base.default_name() == same.default_name()  # --epochs extends the same run
     assert base.default_name().startswith("ray_job_synthetic_resnet18_")
     assert other.with_resolved_paths().default_name() != base.default_name()
+
+
+def test_default_name_hashes_only_what_the_run_reads(tmp_path):
+    """The README's command names the same run in every clone: synthetic data reads no
+    --data-dir; the fields marked affects_result=False (how long to wait, how to show progress)
+    change nothing; cifar10's name does depend on its folder."""
+    synthetic = ["--data", "synthetic", "--model", "resnet18"]
+    here = parse_train_args(synthetic).with_resolved_paths(str(tmp_path / "a"))
+    there = parse_train_args(synthetic).with_resolved_paths(str(tmp_path / "b"))
+    waits = parse_train_args([*synthetic, "--resource-wait-s", "5", "--progress", "lines"]).with_resolved_paths()
+    assert here.default_name() == there.default_name() == waits.default_name()
+    cifar = ["--data", "cifar10", "--model", "resnet18"]
+    assert parse_train_args(cifar).with_resolved_paths(str(tmp_path / "a")).default_name() != \
+        parse_train_args(cifar).with_resolved_paths(str(tmp_path / "b")).default_name()
+
+
+def test_result_fields_leave_out_what_changes_no_result():
+    fields = parse_train_args([]).result_fields()
+    for name in ("address", "progress", "log_every", "retry_storage_s", "resource_wait_s",
+                 "checkpoint_every_min", "collective_timeout_s", "max_failures", "keep_checkpoints"):
+        assert name not in fields
+    for name in ("lr", "model", "batch_size", "data_dir", "epochs", "name", "storage_path", "num_workers"):
+        assert name in fields

@@ -5,9 +5,13 @@ from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import transforms as T
 
-from ray_job.data import (CIFAR10_MEAN, CIFAR10_STD, ArrayDataset, DataError, DeviceAugment, Split,
-                          ensure_cifar10, load_cifar10, load_splits, make_synthetic, write_cifar10)
 from ray_job.config import TrainConfig
+from ray_job.data.arrays import ArrayDataset, Split
+from ray_job.data.augment import CIFAR10_MEAN, CIFAR10_STD, DeviceAugment
+from ray_job.data.cifar10 import ensure_cifar10, load_cifar10, write_cifar10
+from ray_job.data.datasets import load_splits
+from ray_job.data.errors import DataError
+from ray_job.data.synthetic import make_synthetic
 
 
 def test_cifar10_format_round_trips(tmp_path):

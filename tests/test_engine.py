@@ -2,12 +2,14 @@ import pytest
 import torch
 from torch import nn
 
-from ray_job.checkpoint import CheckpointError, load_checkpoint, restore_training_state, save_checkpoint
+from ray_job.train.checkpoint import CheckpointError, load_checkpoint, restore_training_state, save_checkpoint
 from ray_job.config import TrainConfig
-from ray_job.data import ArrayDataset, DeviceAugment, make_synthetic
-from ray_job.engine import evaluate, measure_comm_wait, train_epoch
-from ray_job.model import build_model, param_groups, unwrap
-from ray_job.optim import LRFactor, build_optimizer, build_scheduler
+from ray_job.data.arrays import ArrayDataset
+from ray_job.data.augment import DeviceAugment
+from ray_job.data.synthetic import make_synthetic
+from ray_job.train.engine import EpochSteps, evaluate, measure_comm_wait, train_epoch
+from ray_job.model.resnet import build_model, param_groups, unwrap
+from ray_job.model.optim import LRFactor, build_optimizer, build_scheduler
 
 
 def _setup(train_size=256, steps_cfg=None):
@@ -34,17 +36,24 @@ def test_train_epoch_learns_and_evaluate_counts():
     assert stats.count == 128 and stats.correct / stats.count > 0.3  # chance is 0.1
 
 
-def test_stop_request_and_mid_epoch_skip():
+def test_stop_at_a_step_and_the_mid_epoch_skip():
+    """The loop stops iterating at step 3 (a stop request): the epoch's stats hold those 3 steps;
+    the rest of the epoch, skipping them, is the other 5; a cap ends it after 2."""
     cfg, model, loader, opt, sched, aug = _setup()
-    stats = train_epoch(model, loader, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"),
-                        should_stop=lambda step: step == 3)
-    assert stats.stopped_early and stats.steps == 3
+    epoch = EpochSteps(model, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"))
+    numbers = []
+    for step in epoch.run(loader):
+        numbers.append(step.number)
+        assert step.loss.requires_grad is False or step.loss.ndim == 0
+        if step.number == 3:
+            break
+    stats = epoch.finish()
+    assert numbers == [1, 2, 3] and stats.steps == 3 and stats.count == 96 and stats.wall_s > 0
     rest = train_epoch(model, loader, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"),
                        skip_steps=3)
-    assert rest.steps == 5 and not rest.stopped_early
-    capped = train_epoch(model, loader, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"),
-                         max_steps=2)
-    assert capped.steps == 2 and not capped.stopped_early
+    assert rest.steps == 5
+    capped = EpochSteps(model, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"))
+    assert [s.number for s in capped.run(loader, max_steps=2)] == [1, 2] and capped.finish().steps == 2
 
 
 def test_lr_schedule_warms_up_then_decays():

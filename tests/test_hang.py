@@ -21,7 +21,7 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 TIMEOUT_S = 15
 
 

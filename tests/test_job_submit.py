@@ -1,5 +1,5 @@
 """`ray job submit` against a real `ray start --head --block` cluster with token authentication
-(the `ray_head` fixture in conftest.py): a tiny training job succeeds and leaves its results in
+(the session's `ray_cluster` in conftest.py): a tiny training job succeeds and leaves its results in
 the storage path, the upload holds only code, a failing job is FAILED with a non-zero exit, a
 running job can be stopped, and a client without the cluster's token is refused.
 
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ROOT, TINY
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 # Prints every file the job sees in its working directory (the unpacked upload).
 LIST_FILES = ("import json, os; print('FILES ' + json.dumps(sorted(os.path.relpath(os.path.join(d, f))"
@@ -47,31 +47,31 @@ def _tree(root) -> tuple[set, int]:
     return files, sum(os.path.getsize(os.path.join(root, f)) for f in files)
 
 
-def test_client_without_the_cluster_token_is_refused(ray_head, tmp_path):
-    assert isinstance(ray_head.api("/api/jobs/"), list)  # with the token: answered
+def test_client_without_the_cluster_token_is_refused(ray_cluster, tmp_path):
+    assert isinstance(ray_cluster.api("/api/jobs/"), list)  # with the token: answered
     for token, code in ((None, 401), (secrets.token_hex(32), 403)):
         with pytest.raises(urllib.error.HTTPError) as e:
-            ray_head.api("/api/jobs/", token=token)
+            ray_cluster.api("/api/jobs/", token=token)
         assert e.value.code == code
-    assert oct(os.stat(ray_head.token_file).st_mode & 0o777) == "0o600"
+    assert oct(os.stat(ray_cluster.token_file).st_mode & 0o777) == "0o600"
 
     # The CLI as a user without the token meets it: no token anywhere (not even ~/.ray).
-    env = {k: v for k, v in ray_head.client_env().items() if not k.startswith("RAY_AUTH")}
-    proc = ray_head.job("list", env={**env, "HOME": str(tmp_path)}, timeout=60)
+    env = {k: v for k, v in ray_cluster.client_env().items() if not k.startswith("RAY_AUTH")}
+    proc = ray_cluster.job("list", env={**env, "HOME": str(tmp_path)}, timeout=60)
     assert proc.returncode != 0
     assert "401" in proc.stdout or "nauthorized" in proc.stdout, proc.stdout[-2000:]
 
 
-def test_submitted_training_job_succeeds_with_results_in_storage_path(ray_head, tmp_path):
+def test_submitted_training_job_succeeds_with_results_in_storage_path(ray_cluster, tmp_path):
     job_id, storage = _job_id("train"), tmp_path / "results"
     started = time.monotonic()
-    proc = _submit(ray_head, job_id, sys.executable, "-m", "ray_job", "train", *TINY,
+    proc = _submit(ray_cluster, job_id, sys.executable, "-m", "ray_job", "train", *TINY,
                    "--num-workers", "1", "--epochs", "1", "--storage-path", str(storage),
                    "--name", "submitted", wait=False)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    status = ray_head.wait_for_job(job_id, timeout=240)
+    status = ray_cluster.wait_for_job(job_id, timeout=240)
     elapsed = time.monotonic() - started
-    logs = ray_head.job("logs", job_id).stdout
+    logs = ray_cluster.job("logs", job_id).stdout
     assert status == "SUCCEEDED", logs[-4000:]
 
     summary = json.loads((storage / "submitted" / "summary.json").read_text())
@@ -84,17 +84,17 @@ def test_submitted_training_job_succeeds_with_results_in_storage_path(ray_head, 
     # `ray job logs` is not a terminal: plain progress lines, then the filled final table
     assert "Step [1/" in logs and "ETA epoch" in logs, logs[-4000:]
     assert "    1 " in logs.split("epoch train loss")[-1], logs[-3000:]
-    assert f"Job '{job_id}' succeeded" in ray_head.job("status", job_id).stdout
+    assert f"Job '{job_id}' succeeded" in ray_cluster.job("status", job_id).stdout
 
     # What was uploaded from the real repo: the code, a few hundred KiB, no venv/results/git.
-    files, size = _tree(_unpacked_upload(ray_head, job_id))
+    files, size = _tree(_unpacked_upload(ray_cluster, job_id))
     print(f"uploaded working_dir: {len(files)} files, {size / 1024:.0f} KiB")
-    assert "ray_job/launch.py" in files and "requirements.txt" in files
+    assert "ray_job/train/driver.py" in files and "requirements.txt" in files
     assert size < 2 * 2**20
     assert not {f.split("/")[0] for f in files} & {".venv", ".git", "results", "data", ".pytest_cache"}
 
 
-def test_rayignore_alone_keeps_the_upload_to_code(ray_head, tmp_path):
+def test_rayignore_alone_keeps_the_upload_to_code(ray_cluster, tmp_path):
     """A copy of the code with decoys beside it; Ray's default excludes and .gitignore are off,
     so only .rayignore stands between the decoys and the cluster."""
     work = tmp_path / "wd"
@@ -113,49 +113,49 @@ def test_rayignore_alone_keeps_the_upload_to_code(ray_head, tmp_path):
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
         (work / rel).write_bytes(os.urandom(256 * 1024))  # incompressible: size would show it
 
-    env = ray_head.client_env(RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES="",
+    env = ray_cluster.client_env(RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES="",
                               RAY_RUNTIME_ENV_IGNORE_GITIGNORE="1")
     job_id = _job_id("files")
-    proc = _submit(ray_head, job_id, sys.executable, "-c", LIST_FILES, working_dir=str(work),
+    proc = _submit(ray_cluster, job_id, sys.executable, "-c", LIST_FILES, working_dir=str(work),
                    env=env)
     assert proc.returncode == 0, proc.stdout[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("FILES "))
     assert set(json.loads(line[len("FILES "):])) == code
-    files, size = _tree(_unpacked_upload(ray_head, job_id))
+    files, size = _tree(_unpacked_upload(ray_cluster, job_id))
     assert files == code and size < 2**20
 
 
-def test_failing_job_is_failed_and_submit_exits_nonzero(ray_head, tmp_path):
+def test_failing_job_is_failed_and_submit_exits_nonzero(ray_cluster, tmp_path):
     job_id = _job_id("fail")
-    proc = _submit(ray_head, job_id, sys.executable, "-m", "ray_job", "train", *TINY, "--epochs", "0",
+    proc = _submit(ray_cluster, job_id, sys.executable, "-m", "ray_job", "train", *TINY, "--epochs", "0",
                    "--storage-path", str(tmp_path / "results"), "--name", "bad")
     assert proc.returncode != 0
     assert "error: " in proc.stdout and "failed" in proc.stdout, proc.stdout[-3000:]
-    assert ray_head.job_status(job_id) == "FAILED"
-    status = ray_head.job("status", job_id).stdout
+    assert ray_cluster.job_status(job_id) == "FAILED"
+    status = ray_cluster.job("status", job_id).stdout
     assert f"Job '{job_id}' failed" in status and "exit code 2" in status, status[-2000:]
 
 
-def test_relative_storage_path_in_a_submitted_job_is_refused(ray_head):
+def test_relative_storage_path_in_a_submitted_job_is_refused(ray_cluster):
     """The job runs in a temporary copy of --working-dir: ./results there would be lost."""
     job_id = _job_id("rel")
-    proc = _submit(ray_head, job_id, sys.executable, "-m", "ray_job", "train", *TINY,
+    proc = _submit(ray_cluster, job_id, sys.executable, "-m", "ray_job", "train", *TINY,
                    "--storage-path", "results", "--name", "lost")
     assert proc.returncode != 0
     # `ray job submit` shows the driver's output twice: while tailing and in the status message
     errors = {line for line in proc.stdout.splitlines() if line.startswith("error:")}
     assert len(errors) == 1 and "--storage-path results is relative" in errors.pop(), proc.stdout[-3000:]
-    assert ray_head.job_status(job_id) == "FAILED"
+    assert ray_cluster.job_status(job_id) == "FAILED"
 
 
-def test_running_job_can_be_stopped(ray_head):
+def test_running_job_can_be_stopped(ray_cluster):
     job_id = _job_id("stop")
-    proc = _submit(ray_head, job_id, sys.executable, "-c", "import time; time.sleep(600)",
+    proc = _submit(ray_cluster, job_id, sys.executable, "-c", "import time; time.sleep(600)",
                    working_dir=os.path.join(ROOT, "ray_job"), wait=False)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    running = ray_head.wait_for_job(job_id, timeout=120,
+    running = ray_cluster.wait_for_job(job_id, timeout=120,
                                     until=("RUNNING", "SUCCEEDED", "FAILED", "STOPPED"))
     assert running == "RUNNING"
-    stop = ray_head.job("stop", job_id)
+    stop = ray_cluster.job("stop", job_id)
     assert stop.returncode == 0, stop.stdout[-2000:]
-    assert ray_head.wait_for_job(job_id, timeout=60) == "STOPPED"
+    assert ray_cluster.wait_for_job(job_id, timeout=60) == "STOPPED"

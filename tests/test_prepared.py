@@ -1,4 +1,4 @@
-"""The prepared format (ray_job/prepared.py): writer, memory-mapped reader, idempotence, atomicity,
+"""The prepared format (ray_job/data/prepared/): writer, memory-mapped reader, idempotence, atomicity,
 bad input, the image-folder cache and staging from S3. Small generated data only."""
 
 from __future__ import annotations
@@ -10,10 +10,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ray_job import prepared
 from ray_job.config import TrainConfig
-from ray_job.data import DataError, check_data, load_cifar10, load_datasets, make_synthetic, write_cifar10
-from ray_job.prepared import PreparedImages
+from ray_job.data import prepared
+from ray_job.data.cifar10 import load_cifar10, write_cifar10
+from ray_job.data.datasets import check_data, load_datasets
+from ray_job.data.errors import DataError
+from ray_job.data.prepared import PreparedImages
+from ray_job.data.synthetic import make_synthetic
 
 from conftest import jpeg_folder
 
@@ -31,7 +34,7 @@ def prepare(kind: str, src, out, shard_mb: float = prepared.DEFAULT_SHARD_MB):
 
 
 def test_cifar10_round_trips_raw_across_shards_and_batches(cifar_src, tmp_path, monkeypatch):
-    monkeypatch.setattr(prepared, "BATCH_ROWS", 64)  # several record batches and files
+    monkeypatch.setattr(prepared.write, "BATCH_ROWS", 64)  # several record batches and files
     manifest, written = prepare("cifar10", cifar_src, tmp_path / "p", shard_mb=0.3)
     assert written and manifest["geometry"] == dict(layout="raw", height=32, width=32, channels=3)
     assert len(manifest["splits"]["train"]["files"]) > 1 and manifest["splits"]["train"]["rows"] == 300
@@ -174,7 +177,7 @@ def test_staged_from_s3_once_per_node_and_checked_by_size(s3, cifar_src, tmp_pat
 def test_mid_epoch_resume_sees_exactly_the_rest_of_the_epoch(cifar_src, tmp_path):
     """train_epoch's skip over a prepared dataset's loader: the same batches an uninterrupted epoch
     would have had after the saved step, for this rank."""
-    from ray_job.engine import train_epoch
+    from ray_job.train.engine import train_epoch
 
     prepare("cifar10", cifar_src, tmp_path / "p")
     ds = PreparedImages(str(tmp_path / "p"), "train", 32, True)

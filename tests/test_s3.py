@@ -21,88 +21,42 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, Running, head_running, one_error_line, run_cli, strict
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.s3, pytest.mark.timeout(600)]
 
 RUN_FILES = ("metrics.jsonl", "metrics.csv", "events.jsonl", "topology.json", "config.json",
              "summary.json")
 
 
-def strict(text: str):
-    def refuse(name):
-        raise ValueError(f"not strict JSON: {name}")
-    return json.loads(text, parse_constant=refuse)
+def user_env(server, **overrides: str) -> dict:
+    """A user's shell with the AWS variables of the README (and the repo importable)."""
+    env = {k: v for k, v in server.env(**overrides).items()
+           if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    env["PYTHONPATH"] = ROOT
+    return env
 
 
 def jsonl(server, key: str) -> list[dict]:
     return [strict(line) for line in server.read(key).decode().splitlines() if line.strip()]
 
 
-def user_env(server, **overrides: str) -> dict:
-    """A user's shell with the AWS variables of the README (and the repo importable)."""
-    env = {k: v for k, v in server.env(**overrides).items()
-           if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env["PYTHONPATH"] = ROOT
-    return env
-
-
 def train(cwd, env, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ray_job", "train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_cli("train", *args, cwd=cwd, env=env, timeout=timeout)
 
 
-class Running:
-    """`python -m ray_job train` in the background, its output collected line by line."""
-
-    def __init__(self, cwd, env, *args: str):
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "ray_job", "train", *args], cwd=cwd,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def out(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, what, timeout: float = 300, every: float = 0.3) -> None:
-        deadline = time.monotonic() + timeout
-        while not what():
-            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{self.out[-4000:]}"
-            assert time.monotonic() < deadline, f"timed out waiting:\n{self.out[-4000:]}"
-            time.sleep(every)
-
-    def finish(self, timeout: float = 400) -> int:
-        try:
-            rc = self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-        self._reader.join(10)
-        return rc
+def running(cwd, env, *args: str) -> Running:
+    return Running("train", *args, cwd=cwd, env=env)
 
 
 def checkpoints(server, prefix: str) -> list[str]:
     return sorted({k.split("/")[0] for k in server.keys(prefix)
                    if k.startswith("checkpoint_") and k.endswith("/checkpoint.pt")})
-
-
-def one_error_line(text: str) -> str:
-    errors = [line for line in text.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, text[-3000:]
-    return errors[0]
 
 
 @pytest.fixture
@@ -122,7 +76,7 @@ def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir):
     storage = s3.uri("seat")
     args = [*TINY, "--synthetic-train-size", "2048", "--storage-path", storage, "--name", "run",
             "--num-workers", "2", "--epochs", "1"]
-    first = Running(user_dir, env, *args)
+    first = running(user_dir, env, *args)
     first.wait_for(lambda: "events.jsonl" in s3.keys("seat/run"))
     first.proc.send_signal(signal.SIGUSR1)  # what slurm_ray_start.sh sends before the time limit
     assert first.finish() == 3, first.out[-4000:]
@@ -172,7 +126,7 @@ def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir):
 @pytest.mark.parametrize("case", ["wrong secret", "unknown key", "missing bucket", "dead endpoint",
                                   "read-only user", "secret in the URI"])
 def test_bad_storage_fails_in_seconds_with_one_line(s3, user_dir, case):
-    from ray_job.ports import free_port
+    from ray_job.cluster.ports import free_port
 
     uri, env = s3.uri("bad"), {}
     if case == "wrong secret":
@@ -219,7 +173,7 @@ def test_settings_from_a_profile_and_the_endpoint_variables(s3, tmp_path):
     proc = subprocess.run(check, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "AWS_PROFILE=nobody" in one_error_line(proc.stderr)
 
-    from ray_job.storage import S3Settings
+    from ray_job.storage.s3 import S3Settings
 
     settings = S3Settings.from_env(s3.env())
     assert settings.endpoint == s3.endpoint.split("://")[1] and settings.scheme == "http"
@@ -230,9 +184,9 @@ def test_a_sweep_writes_its_points_and_report_to_s3(s3, monkeypatch, capsys):
     """The sweep's own file I/O on S3 (no Ray: `train` is a stand-in that writes a finished run):
     the report's four files, reuse of finished points, an unfinished point moved aside."""
     from ray_job import storage
-    from ray_job.metrics import EpochMetrics
-    from ray_job.runlog import write_json
     from ray_job.scale import main, sweep
+    from ray_job.storage import write_json
+    from ray_job.train.metrics import EpochMetrics
 
     for k, v in s3.env().items():
         if k.startswith("AWS_"):
@@ -280,7 +234,7 @@ def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir)
     """Stopped after epoch 1's checkpoint, started again once epoch 2's checkpoint has failed: the
     run finishes, epoch 3's checkpoint is saved, and every file has caught up."""
     env = user_env(s3)
-    run = Running(user_dir, env, *FAULT, "--storage-path", s3.uri("fault"), "--name", "a",
+    run = running(user_dir, env, *FAULT, "--storage-path", s3.uri("fault"), "--name", "a",
                   "--epochs", "3")
     run.wait_for(lambda: checkpoints(s3, "fault/a"), every=0.5)
     s3.stop()
@@ -297,7 +251,7 @@ def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir)
     assert [e["epoch"] for e in events if e["event"] == "checkpoint_failed"] == [2]
     summary = strict(s3.read("fault/a/summary.json").decode())
     assert summary["finished"] and summary["epochs_completed"] == 3
-    from ray_job.checkpoint import load_checkpoint
+    from ray_job.train.checkpoint import load_checkpoint
     from ray_job.storage import Location
 
     latest = summary["latest_checkpoint"].split("://", 1)[1]
@@ -310,10 +264,10 @@ def seed_checkpoint(server, prefix: str, epoch: int) -> str:
     import torch
 
     from ray_job import storage
-    from ray_job.checkpoint import save_checkpoint, upload_checkpoint
-    from ray_job.cli import parse_train_args
-    from ray_job.model import build_model
-    from ray_job.optim import build_optimizer
+    from ray_job.config import parse_train_args
+    from ray_job.model.optim import build_optimizer
+    from ray_job.model.resnet import build_model
+    from ray_job.train.checkpoint import save_checkpoint, upload_checkpoint
 
     cfg = parse_train_args(TINY)
     model = build_model(cfg.model, cfg.stem, 10)
@@ -336,7 +290,7 @@ def test_server_down_at_the_end_fails_clearly_then_the_same_command_resumes(s3, 
     env = user_env(s3)
     args = [*FAULT, "--storage-path", s3.uri("fault"), "--name", "b", "--epochs", "3",
             "--resume-from", seed, "--retry-storage-s", "2"]
-    run = Running(user_dir, env, *args)
+    run = running(user_dir, env, *args)
     run.wait_for(lambda: checkpoints(s3, "fault/b") and  # and recorded by Ray
                  "checkpoint_manager_snapshot.json" in s3.keys("fault/b"), every=0.5)
     (first,) = checkpoints(s3, "fault/b")
@@ -384,7 +338,7 @@ def test_full_local_disk_fails_the_checkpoint_and_the_previous_one_stays(user_di
         folders = [d for d in run_dir.glob("checkpoint_*") if d.is_dir()]
         complete = [d for d in folders if (d / "checkpoint.pt").exists()]
         assert len(complete) == len(folders) == 1, folders
-        from ray_job.checkpoint import load_checkpoint
+        from ray_job.train.checkpoint import load_checkpoint
 
         assert load_checkpoint(str(complete[0]))["epoch"] == 1
         assert f"Last checkpoint saved: {complete[0]}" in line
@@ -396,15 +350,11 @@ def test_full_local_disk_fails_the_checkpoint_and_the_previous_one_stays(user_di
 # --- ray job submit -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def s3_head(s3_server_session, request):
+def s3_head(s3_server_session):
     """A `ray start --head` cluster started with the AWS variables in its environment, as
     cluster.yaml does: jobs and their workers inherit them, the job's command line has none."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in s3_server_session.env().items():
-            if k.startswith("AWS_"):
-                mp.setenv(k, v)
-        head = request.getfixturevalue("ray_head")
-    return head
+    with head_running({k: v for k, v in s3_server_session.env().items() if k.startswith("AWS_")}) as head:
+        yield head
 
 
 def test_submitted_job_writes_to_s3_with_credentials_from_the_cluster(s3, s3_head):

@@ -1,8 +1,7 @@
 """The scaling sweep on a real local Ray cluster (1 and 2 CPU workers, gloo, tiny model); its stop
-request, report and strict JSON without Ray; --predict in a fresh interpreter that must not import
+request, report and strict JSON without Ray; `scale predict` in a fresh interpreter that must not import
 Ray; the package's import layers; and the communication model on paper."""
 
-import ast
 import csv
 import json
 import math
@@ -15,9 +14,10 @@ import time
 import pytest
 
 from conftest import ROOT, TINY
-from ray_job import stop
-from ray_job.config import UsageError
-from ray_job.model import build_model, gradient_bytes
+from ray_job.train import stop
+from ray_job.core.errors import UsageError
+from ray_job.core.exits import ExitCode
+from ray_job.model.resnet import build_model, gradient_bytes
 from ray_job.scale import COLUMNS, commmodel, main, measure_all, parse_args
 from ray_job.scale.commmodel import Link, StepProfile, predict, ring_allreduce_s
 from ray_job.scale.report import write_outputs
@@ -31,7 +31,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # --- the sweep, for real -----------------------------------------------------------------------
 
-def test_sweep_strong_and_weak_on_one_and_two_workers(ray_local, tmp_path, capsys):
+@pytest.mark.ray
+def test_sweep_strong_and_weak_on_one_and_two_workers(ray_joined, tmp_path, capsys):
     """One sweep (3 runs: the shared 1-worker run, strong 2, weak 2; 4 workers cannot fit)."""
     out = tmp_path / "results" / "sweep"
     argv = ["--workers", "1,2,4", "--mode", "both", *SWEEP, "--storage-path",
@@ -92,7 +93,7 @@ def test_sweep_strong_and_weak_on_one_and_two_workers(ray_local, tmp_path, capsy
     capsys.readouterr()
 
     # The sweep on paper, from this sweep's single-worker measurement (no training).
-    assert main(["--predict", "--from", str(out / "scaling.json"), "--workers", "2,8",
+    assert main(["predict", "--from", str(out / "scaling.json"), "--workers", "2,8",
                  "--link", "10gbe"]) == 0
     projected = capsys.readouterr().out
     assert "1-worker run w1" in projected and "10gbe" in projected
@@ -170,7 +171,7 @@ def test_stop_request_stops_the_sweep_between_and_during_points(tmp_path):
         while not stop.requested(str(point_dir)) and time.time() < deadline:
             time.sleep(0.1)
     assert stop.requested(str(point_dir))
-    _, cfg, _ = parse_args([*SWEEP, "--storage-path", str(tmp_path), "--name", "sweep"])
+    _, cfg, _ = parse_args([*SWEEP, "--storage-path", str(tmp_path), "--name", "sweep"], "sweep")
     rows = measure_all(cfg, str(sweep_dir), ["strong", "weak"], [1, 2])
     assert [(r["mode"], r["workers"], r["status"]) for r in rows] == [
         ("strong", 1, "not run"), ("strong", 2, "not run"), ("weak", 1, "not run"),
@@ -192,12 +193,12 @@ def test_sigusr1_to_the_driver_stops_the_sweep(tmp_path, monkeypatch, capsys, tr
         points.append(point)
         os.makedirs(point.run_dir(), exist_ok=True)
         if train_takes_sigusr1:
-            stop.stop_on_usr1(point.run_dir())  # as launch.run_training does
+            stop.stop_on_usr1(point.run_dir())  # as train.driver.run_training does
         os.kill(os.getpid(), signal.SIGUSR1)
         deadline = time.time() + 10
         while not stop.requested(point.run_dir()) and time.time() < deadline:
             time.sleep(0.05)
-        return sweep.EXIT_PREEMPTED if stop.requested(point.run_dir()) else 0
+        return ExitCode.STOPPED if stop.requested(point.run_dir()) else 0
 
     monkeypatch.setattr(sweep, "connect", lambda cfg: None)
     monkeypatch.setattr(sweep, "cluster_info", lambda: dict(nodes=1, cpus=2, gpus=0))
@@ -217,7 +218,7 @@ def test_sigusr1_to_the_driver_stops_the_sweep(tmp_path, monkeypatch, capsys, tr
     finally:
         signal.signal(signal.SIGUSR1, previous)
     capsys.readouterr()
-    assert rc == sweep.EXIT_PREEMPTED and len(points) == 1
+    assert rc == ExitCode.STOPPED and len(points) == 1
     # Paths resolved once against the user's directory, the GPU decided once, before any point.
     assert points[0].storage_path == str(tmp_path / "results" / "s")
     assert points[0].data_dir == str(tmp_path / "data") and points[0].use_gpu is False
@@ -269,7 +270,7 @@ def test_report_writes_strict_json_and_shows_missing_values_as_empty(tmp_path):
 # Run in a fresh interpreter: every import of Ray, and of the parts that start it, is recorded.
 NO_RAY = """
 import sys
-FORBIDDEN = ("ray_job.launch", "ray_job.loop", "ray_job.scale.sweep")
+FORBIDDEN = ("ray_job.train.driver", "ray_job.train.worker", "ray_job.scale.sweep")
 def forbidden(name):
     return name == "ray" or name.startswith("ray.") or name in FORBIDDEN
 class Watch:
@@ -279,17 +280,17 @@ class Watch:
             self.tried.append(name)
         return None
 sys.meta_path.insert(0, Watch())
-from ray_job.__main__ import main
+from ray_job.commands import main
 rc = main(["scale", *sys.argv[1:]])
 loaded = [m for m in sys.modules if forbidden(m)]
-assert not Watch.tried and not loaded, f"--predict imported {Watch.tried or loaded}"
+assert not Watch.tried and not loaded, f"scale predict imported {Watch.tried or loaded}"
 sys.exit(rc)
 """
 
 
 def test_predict_runs_on_paper_without_ray():
-    """`python -m ray_job scale --predict` neither imports Ray nor tries to."""
-    proc = subprocess.run([sys.executable, "-c", NO_RAY, "--predict", "--workers", "8,16,32,64",
+    """`python -m ray_job scale predict` neither imports Ray nor tries to."""
+    proc = subprocess.run([sys.executable, "-c", NO_RAY, "predict", "--workers", "8,16,32,64",
                            "--link", "ib"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [l.split() for l in proc.stdout.splitlines() if l.strip().startswith(("strong", "weak"))]
@@ -306,7 +307,7 @@ def test_predict_from_a_saved_sweep_without_ray(tmp_path):
                           source="1-worker run w1: steady step 111.0 ms at batch 64")
     (tmp_path / "scaling.json").write_text(json.dumps(
         dict(config=dict(batch_size=64, grad_compression="none"), model=dict(profile=profile.to_dict()))))
-    proc = subprocess.run([sys.executable, "-c", NO_RAY, "--predict", "--from", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-c", NO_RAY, "predict", "--from", str(tmp_path),
                            "--workers", "2", "--link", "10gbe", "--mode", "weak"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -316,45 +317,16 @@ def test_predict_from_a_saved_sweep_without_ray(tmp_path):
     assert float(weak2[4]) == pytest.approx(expected.step_s * 1e3, abs=0.01)
 
 
-# Each part imports only the parts below it; the parts --predict uses import no Ray at all.
-LAYERS = ["commmodel", "common", "report", "predict", "sweep"]
-RAY_FREE = ["commmodel", "common", "report", "predict"]
-
-
-def _imports(part):
-    path = os.path.join(ROOT, "ray_job", "scale", f"{part}.py")
-    names = set()
-    for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = ["ray_job", "scale"][:3 - node.level] if node.level else []
-            module = ".".join([*base, *([node.module] if node.module else [])])
-            names |= {f"{module}.{a.name}" for a in node.names} | {module}
-    return names
-
-
-def test_parts_import_only_parts_below_them():
-    for i, part in enumerate(LAYERS):
-        inside = {n.split(".")[2] for n in _imports(part) if n.startswith("ray_job.scale.")}
-        assert inside <= set(LAYERS[:i]), (part, inside - set(LAYERS[:i]))
-    for part in RAY_FREE:
-        bad = {n for n in _imports(part) if n.split(".")[0] == "ray" or
-               n.startswith(("ray_job.launch", "ray_job.loop"))}
-        assert not bad, (part, bad)
-    assert not os.path.exists(os.path.join(ROOT, "ray_job", "commmodel.py"))
-    assert not os.path.exists(os.path.join(ROOT, "ray_job", "scale.py"))
-
-
 @pytest.mark.parametrize("argv, words", [
     (["--workers", "0,2"], "positive"),
     (["--workers", "one"], "comma-separated"),
-    (["--step-ms", "10"], "add --predict"),
-    (["--from", "/nonexistent/scaling.json"], "add --predict"),
-    (["--predict", "--link", "carrier-pigeon"], "unknown link"),
-    (["--predict", "--link", "custom", "--bandwidth-gbps", "5"], "--latency-us"),
-    (["--predict", "--model", "resnet18"], "--step-ms"),
-    (["--predict", "--from", "/nonexistent/scaling.json"], "cannot read"),
+    (["--step-ms", "10"], "unrecognized arguments: --step-ms"),
+    (["predict", "--link", "carrier-pigeon"], "unknown link"),
+    (["predict", "--link", "custom", "--bandwidth-gbps", "5"], "--latency-us"),
+    (["predict", "--model", "resnet18"], "--step-ms"),
+    (["predict", "--from", "/nonexistent/scaling.json"], "cannot read"),
+    (["sweep", "--from", "x.json"], "unrecognized arguments: --from"),
+    (["predic", "--workers", "2"], "unknown scale command"),
 ])
 def test_bad_scale_flags_are_usage_errors(argv, words):
     with pytest.raises(UsageError, match=words):
@@ -362,12 +334,12 @@ def test_bad_scale_flags_are_usage_errors(argv, words):
 
 
 def test_scale_defaults_and_passthrough_flags():
-    ns, cfg, _ = parse_args(["--address", "10.0.0.1:6379", "--batch-size", "256", "--workers", "4,1,2"])
+    ns, cfg, _ = parse_args(["--address", "10.0.0.1:6379", "--batch-size", "256", "--workers", "4,1,2"], "sweep")
     assert cfg.address == "10.0.0.1:6379" and cfg.batch_size == 256  # as the SLURM script passes it
     assert ns.workers == (1, 2, 4) and ns.counts == [1, 2, 4] and ns.modes == ["strong", "weak"]
     assert (cfg.epochs, cfg.steps_per_epoch, cfg.sync_timing) == (1, 50, True)  # fixed work
     assert cfg.name.startswith("scale_")
-    _, cfg, _ = parse_args(["--recipe", "fast", "--steps-per-epoch", "7"])
+    _, cfg, _ = parse_args(["--recipe", "fast", "--steps-per-epoch", "7"], "sweep")
     assert (cfg.epochs, cfg.steps_per_epoch, cfg.batch_size) == (1, 7, 1024)
 
 

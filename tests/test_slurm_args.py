@@ -1,5 +1,6 @@
-"""ray_job.slurm: the allocation read from SLURM's environment, and the driver's flags composed from
-the user's with the driver's own parser (no SLURM needed: the environment is a dict)."""
+"""The SLURM facts in Python: the allocation read from SLURM's environment (ray_job.cluster.slurm),
+and the driver's flags composed from the user's with the driver's own parser
+(ray_job.commands.slurm_plan). No SLURM needed: the environment is a dict."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from ray_job.cli import build_train_parser, config_from_args
-from ray_job.config import UsageError
-from ray_job.ports import free_port
-from ray_job.slurm import Allocation, cluster_status, main, plan_driver
+from ray_job.config import build_train_parser, config_from_args
+from ray_job.core.errors import UsageError
+from ray_job.cluster.slurm import Allocation
+from ray_job.commands.slurm_plan import main, plan_driver, scale_parser
+
+
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_JOB = {"SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": "/sub", "SLURM_GPUS_ON_NODE": "2",
@@ -145,12 +148,12 @@ def test_serve_mode_runs_no_driver(argv):
     assert (p.mode, p.args, p.storage_path) == ("serve", (), "/sub/ray_results")
 
 
-def test_scale_mode_uses_the_scale_parser():
-    from ray_job.slurm import scale_parser
-
-    p = plan(["scale", "--workers", "1,2", "--no-gpu", "--stor", "/x"])
+@pytest.mark.parametrize("command", [[], ["sweep"]])
+def test_scale_mode_uses_the_scale_parser(command):
+    p = plan(["scale", *command, "--workers", "1,2", "--no-gpu", "--stor", "/x"])
     assert p.mode == "scale" and count(p.args, "--storage-path", "--use-gpu", "--no-gpu") == 1
-    ns = scale_parser(p.args).parse_args(list(p.args))
+    assert list(p.args[:len(command)]) == command  # the subcommand stays first
+    ns = scale_parser(p.args).parse_args(list(p.args[len(command):]))
     assert (list(ns.workers), ns.use_gpu, ns.storage_path, ns.name) == ([1, 2], False, "/x", "slurm-7")
     with pytest.raises(UsageError):
         plan(["scale", "--workers", "0"])
@@ -158,7 +161,7 @@ def test_scale_mode_uses_the_scale_parser():
 
 # ---- the command line, as the script reads it -------------------------------------------------
 def test_plan_prints_nul_terminated_records(capsys):
-    assert main(["plan", "train", "--no-gpu", "--epochs", "2"], env=GPU_JOB) == 0
+    assert main(["train", "--no-gpu", "--epochs", "2"], env=GPU_JOB) == 0
     out, err = capsys.readouterr()
     records = out.split("\0")
     assert records[-1] == ""  # every record is terminated
@@ -171,26 +174,21 @@ def test_plan_prints_nul_terminated_records(capsys):
 
 
 def test_bad_flags_print_one_error_line_and_exit_2(capsys):
-    assert main(["plan", "--use-gpu"], env=CPU_JOB) == 2
+    assert main(["--use-gpu"], env=CPU_JOB) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("error: --use-gpu was given")
 
 
 def test_help_goes_to_the_log_and_there_is_nothing_to_run(capsys):
-    assert main(["plan", "train", "--help"], env=CPU_JOB) == 0
+    assert main(["train", "--help"], env=CPU_JOB) == 0
     out, err = capsys.readouterr()
     assert out == "" and "--storage-path" in err
 
 
 def test_bash_mapfile_reads_the_flags_back_exactly(tmp_path):
     name = "a b\nc*"  # spaces, a newline and a glob character survive
-    script = ('mapfile -d "" -t plan < <("$0" -m ray_job.slurm plan --epochs 2 --name "$1"); '
+    script = ('mapfile -d "" -t plan < <("$0" -m ray_job.commands.slurm_plan --epochs 2 --name "$1"); '
               'wait $! || exit; printf "<%s>" "${plan[@]}"')
     out = subprocess.run(["bash", "-c", script, sys.executable, name], cwd=tmp_path, text=True,
                          capture_output=True, env={"PYTHONPATH": str(ROOT), **CPU_JOB}, check=True)
     assert f"<RUN_NAME={name}>" in out.stdout and f"<--name><{name}>" in out.stdout
-
-
-def test_cluster_status_is_down_when_nothing_listens():
-    assert cluster_status(f"127.0.0.1:{free_port()}") == "down"
-    assert cluster_status("not-an-address") == "down"

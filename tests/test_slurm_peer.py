@@ -1,4 +1,4 @@
-"""The seed's raw-DDP peer (ray_job.peers.seed_ddp) under `srun` on the real two-node SLURM test
+"""The raw-DDP baseline (ray_job.peers.raw_ddp) under `srun` on the real two-node SLURM test
 cluster (tests/slurm_cluster.py): one task per node, env:// rendezvous from SLURM's variables
 (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, MASTER_ADDR from the first node's NodeAddr), gloo
 between the nodes, a rank-0 checkpoint, and a second srun that resumes from it with --checkpoint.
@@ -21,17 +21,17 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 
 
 def peer_args(tmp_path: Path, *extra: str) -> str:
-    args = [sys.executable, "-m", "ray_job.peers.seed_ddp", "--data", "synthetic", "--model", "resnet18",
+    args = [sys.executable, "-m", "ray_job.peers.raw_ddp", "--data", "synthetic", "--model", "resnet18",
             "--num-classes", "10", "--synthetic-train-size", "256", "--synthetic-test-size", "128",
             "--batch-size", "64", "--print-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), *extra]
     return shlex.join(args)
 
 
 @pytest.mark.timeout(300)
-def test_seed_peer_trains_across_two_nodes_under_srun_and_resumes(slurm_cluster, tmp_path):
+def test_raw_ddp_baseline_trains_across_two_nodes_under_srun_and_resumes(slurm_cluster, tmp_path):
     # Under netns each node has its own network namespace: the default MASTER_PORT (from the job
     # id) cannot meet anything else. On loopback the nodes share this host's ports: pick a free one.
-    from ray_job.ports import free_port
+    from ray_job.cluster.ports import free_port
 
     port = "" if slurm_cluster.network == "netns" else f"export MASTER_PORT={free_port()}\n"
     srun = "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1"
@@ -51,8 +51,8 @@ def test_seed_peer_trains_across_two_nodes_under_srun_and_resumes(slurm_cluster,
     first = json.loads((tmp_path / "first.json").read_text())
     assert (first["launcher"], first["world_size"]) == ("srun", 2)
     assert [e["epoch"] for e in first["epochs"]] == [1]
-    assert "seed_ddp: srun, world size 2, gloo" in output
-    assert "Step [2/4]" in output and "data " in output and "train " in output  # the seed's prints
+    assert "raw_ddp: srun, world size 2, gloo" in output
+    assert "Step [2/4]" in output and "data " in output and "train " in output  # the baseline's prints
     assert (tmp_path / "ckpt" / "epoch_1" / "checkpoint.pt").exists()
 
     second = json.loads((tmp_path / "second.json").read_text())

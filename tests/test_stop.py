@@ -1,5 +1,6 @@
-"""The stop request (ray_job/stop.py): every rank stops at the same step, a few steps after the
-request, and the all-reduce that carries it is read later than it is started."""
+"""The stop request (ray_job/train/stop.py) and step control (control.py): every rank gets STOP
+at the same step, a few steps after the request, and the all-reduce that carries it is read later
+than it is started; timed checkpoints fall due at the same step on every rank."""
 
 from __future__ import annotations
 
@@ -11,19 +12,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_job import stop
-from ray_job.ports import free_port
+from ray_job.train import stop
+from ray_job.train.control import Action, StepControl
+from ray_job.cluster.ports import free_port
 
 
 def _ranks(rank: int, world: int, port: int, run_dir: str, request_at: int, out, steps: int = 40) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    poller = stop.StopPoller(run_dir, is_rank0=rank == 0, device=torch.device("cpu"), every=5, lag=2)
+    poller = StepControl(run_dir, is_rank0=rank == 0, device=torch.device("cpu"), every=5, lag=2)
     stopped_at = None
     for step in range(1, steps + 1):
         if rank == 0 and step == request_at:
             stop.request(run_dir)
-        if poller(step):
+        if poller.after_step(step, steps) is Action.STOP:
             stopped_at = step
             break
         dist.barrier()  # stands in for the step's own collectives (DDP's all-reduce)
@@ -62,10 +64,10 @@ def test_an_epoch_shorter_than_the_poll_interval_still_sees_the_request(tmp_path
 
 
 def test_single_process_poll_and_clear(tmp_path):
-    poller = stop.StopPoller(str(tmp_path), is_rank0=True, device=torch.device("cpu"), every=5)
-    assert not any(poller(s) for s in range(1, 11))
+    poller = StepControl(str(tmp_path), is_rank0=True, device=torch.device("cpu"), every=5)
+    assert all(poller.after_step(s, 100) is Action.CONTINUE for s in range(1, 11))
     stop.request(str(tmp_path))
-    assert [s for s in range(11, 21) if poller(s)] == [15, 20]
+    assert [s for s in range(11, 21) if poller.after_step(s, 100) is Action.STOP] == [15, 20]
     assert poller.at_epoch_end()
     stop.clear(str(tmp_path))
     stop.clear(str(tmp_path))  # clearing twice is fine (a requeued job with no request left)
@@ -91,14 +93,15 @@ def test_usr1_writes_the_request_and_forward_passes_it_on(tmp_path):
 def _timed_ranks(rank: int, port: int, run_dir: str, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    poller = stop.StopPoller(run_dir, is_rank0=rank == 0, device=torch.device("cpu"), every=5, lag=2,
-                             checkpoint_every_s=0.5)
+    poller = StepControl(run_dir, is_rank0=rank == 0, device=torch.device("cpu"), every=5, lag=2,
+                         checkpoint_every_s=0.5)
     checkpoints = []
     for step in range(1, 61):
         if rank == 0:
             time.sleep(0.05)  # rank 0's clock is the one that decides
-        assert not poller(step)
-        if poller.checkpoint_due:
+        action = poller.after_step(step, 100)
+        assert action is not Action.STOP
+        if action is Action.CHECKPOINT:
             checkpoints.append(step)
             poller.checkpointed()
         dist.barrier()

@@ -6,19 +6,21 @@ import os
 import pytest
 import torch
 
-from ray_job.checkpoint import load_checkpoint
-from ray_job.cli import parse_train_args
-from ray_job.config import UsageError
-from ray_job.data import ArrayDataset, DeviceAugment, make_synthetic
-from ray_job.engine import evaluate
-from ray_job.launch import run_training
-from ray_job.model import build_model
-from ray_job.runlog import read_jsonl
-from ray_job.stop import STOP_FILE
+from ray_job.train.checkpoint import load_checkpoint
+from ray_job.config import parse_train_args
+from ray_job.core.errors import UsageError
+from ray_job.data.arrays import ArrayDataset
+from ray_job.data.augment import DeviceAugment
+from ray_job.data.synthetic import make_synthetic
+from ray_job.train.engine import evaluate
+from ray_job.train.driver import run_training
+from ray_job.model.resnet import build_model
+from ray_job.storage import read_jsonl
+from ray_job.train.runfiles import STOP_FILE
 
 from conftest import tiny_args
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 
 def _train(tmp_path, name, *extra):
@@ -30,7 +32,7 @@ def _rows(cfg):
     return read_jsonl(os.path.join(cfg.run_dir(), "metrics.jsonl"))
 
 
-def test_two_workers_learn_then_resume_continues_the_epoch_count(ray_local, tmp_path, capsys):
+def test_two_workers_learn_then_resume_continues_the_epoch_count(ray_joined, tmp_path, capsys):
     cfg, rc = _train(tmp_path, "two", "--num-workers", "2", "--epochs", "2")
     assert rc == 0
     rows = _rows(cfg)
@@ -65,7 +67,7 @@ def test_two_workers_learn_then_resume_continues_the_epoch_count(ray_local, tmp_
                for e in read_jsonl(os.path.join(run_dir, "events.jsonl")))
 
 
-def test_global_accuracy_equals_single_process_evaluation(ray_local, tmp_path):
+def test_global_accuracy_equals_single_process_evaluation(ray_joined, tmp_path):
     cfg, rc = _train(tmp_path, "acc", "--num-workers", "2", "--epochs", "1",
                      "--synthetic-test-size", "203")  # odd size: padding would double-count
     assert rc == 0
@@ -83,7 +85,7 @@ def test_global_accuracy_equals_single_process_evaluation(ray_local, tmp_path):
     assert reported["test_loss"] == pytest.approx(single.loss_sum / single.count, rel=1e-4)
 
 
-def test_checkpoint_moves_across_world_sizes(ray_local, tmp_path):
+def test_checkpoint_moves_across_world_sizes(ray_joined, tmp_path):
     cfg, rc = _train(tmp_path, "src", "--num-workers", "2", "--epochs", "1")
     assert rc == 0
     ckpt = json.load(open(os.path.join(cfg.run_dir(), "summary.json")))["latest_checkpoint"]
@@ -97,7 +99,7 @@ def test_checkpoint_moves_across_world_sizes(ray_local, tmp_path):
     assert rc == 0 and [r["epoch"] for r in _rows(back)] == [3]
 
 
-def test_preemption_request_checkpoints_mid_epoch_and_resumes(ray_local, tmp_path):
+def test_preemption_request_checkpoints_mid_epoch_and_resumes(ray_joined, tmp_path):
     name = "pre"
     run_dir = tmp_path / "results" / name
     run_dir.mkdir(parents=True)
@@ -127,7 +129,7 @@ def test_preemption_request_checkpoints_mid_epoch_and_resumes(ray_local, tmp_pat
     assert resumed and resumed[0]["step"] == state["step"]  # continued at the exact step
 
 
-def test_more_workers_than_the_cluster_holds_fails_at_once(ray_local, tmp_path):
+def test_more_workers_than_the_cluster_holds_fails_at_once(ray_joined, tmp_path):
     with pytest.raises(UsageError, match="cannot fit: the cluster holds at most 2"):
         _train(tmp_path, "big", "--num-workers", "3")
     with pytest.raises(UsageError, match="no GPUs"):
@@ -135,7 +137,7 @@ def test_more_workers_than_the_cluster_holds_fails_at_once(ray_local, tmp_path):
     assert not os.path.exists(tmp_path / "results" / "big" / "config.json")
 
 
-def test_timed_checkpoints_mid_epoch_and_elastic_start_with_what_fits(ray_local, tmp_path):
+def test_timed_checkpoints_mid_epoch_and_elastic_start_with_what_fits(ray_joined, tmp_path):
     # --num-workers 4 on a 2-CPU cluster: refused as a fixed size, started with 2 when elastic
     with pytest.raises(UsageError, match="--num-workers 4 cannot fit"):
         _train(tmp_path, "fixed", "--num-workers", "4")
@@ -154,7 +156,7 @@ def test_timed_checkpoints_mid_epoch_and_elastic_start_with_what_fits(ray_local,
         _train(tmp_path, "bad", "--num-workers", "2", "--min-workers", "3")
 
 
-def test_a_checkpoint_ray_has_no_record_of_is_resumed_from(ray_local, tmp_path):
+def test_a_checkpoint_ray_has_no_record_of_is_resumed_from(ray_joined, tmp_path):
     """The driver killed right after rank 0 saved a checkpoint: Ray's record (its snapshot) misses
     it, yet it is complete (its checkpoint_saved event follows the upload), so the rerun takes it.
     A newer folder without that event (an upload cut off) is not taken."""

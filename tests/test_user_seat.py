@@ -7,7 +7,6 @@ the printed progress and final table, and the files in ./results/<name>/ that th
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,38 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from ray_job.data import make_synthetic, write_cifar10
+from ray_job.data.cifar10 import write_cifar10
+from ray_job.data.synthetic import make_synthetic
 
-from conftest import ROOT, jpeg_folder
+from conftest import README_FILES, jpeg_folder, run_cli, strict_file, table_rows, user_env
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 MODEL = ["--model", "resnet18", "--stem", "imagenet", "--batch-size", "64"]
-README_FILES = ("metrics.jsonl", "metrics.csv", "events.jsonl", "topology.json", "config.json",
-                "summary.json", "tensorboard")
-
-
-def user_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env["PYTHONPATH"] = ROOT  # as if installed (`pip install -e .`): the repo is not the cwd
-    return env
 
 
 def train(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ray_job", "train", *args], cwd=cwd, env=user_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def strict(text: str):
-    def refuse(name):
-        raise ValueError(f"not strict JSON: {name}")
-    return json.loads(text, parse_constant=refuse)
-
-
-def strict_file(path: Path):
-    if path.suffix == ".jsonl":
-        return [strict(line) for line in path.read_text().splitlines() if line.strip()]
-    return strict(path.read_text())
+    return run_cli("train", *args, cwd=cwd, timeout=timeout)
 
 
 @pytest.fixture
@@ -57,18 +36,6 @@ def user_dir(tmp_path):
     home.mkdir()
     write_cifar10(str(home / "data"), make_synthetic(512, 0, True), make_synthetic(128, 0, False))
     return home
-
-
-def table_rows(stdout: str) -> list[list[str]]:
-    lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("epoch train loss"))
-    rows = []
-    for line in lines[start + 2:]:
-        cells = line.split()
-        if not cells or not cells[0].isdigit():
-            break
-        rows.append(cells)
-    return rows
 
 
 def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_dir):
@@ -176,8 +143,7 @@ def test_own_jpegs_of_any_size_prepare_then_train_from_the_users_folder(tmp_path
     jpeg_folder(home / "my_images", 240, 60, classes=4, lo=100, hi=500)
 
     def cli(*args, timeout=600):
-        return subprocess.run([sys.executable, "-m", "ray_job", *args], cwd=home, env=user_env(),
-                              capture_output=True, text=True, timeout=timeout)
+        return run_cli(*args, cwd=home, timeout=timeout)
 
     prep = ["prepare-data", "--from", "imagefolder", "--src", "my_images", "--out", "prepared"]
     first = cli(*prep)

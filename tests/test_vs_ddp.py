@@ -1,5 +1,5 @@
-"""Side by side with the seed's raw DDP, at tiny sizes: the peer (ray_job.peers.seed_ddp) under
-torchrun, `bench --vs-ddp`, the FLOP counter and the time-to-accuracy race. No timing assertions:
+"""Side by side with the raw-DDP baseline, at tiny sizes: the peer (ray_job.peers.raw_ddp) under
+torchrun, `bench vs-ddp`, the FLOP counter and the time-to-accuracy race (`bench race`). No timing assertions:
 speed is measured by running the command (README), not by tests. The srun test of the peer is
 tests/test_slurm_peer.py."""
 
@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from conftest import ROOT, run_cli
-from ray_job.vsddp import flop_share, flops_per_image, matmul_flops, torchrun_cmd
+from ray_job.bench.ceiling import flop_share, flops_per_image, matmul_flops
+from ray_job.bench.common import torchrun_cmd
 
 TINY_PEER = ["--data", "synthetic", "--model", "resnet18", "--num-classes", "10", "--synthetic-train-size",
              "256", "--synthetic-test-size", "128", "--batch-size", "64", "--print-every", "2"]
@@ -50,7 +51,7 @@ def test_flop_share_is_achieved_over_the_measured_peak():
 # --- the peer --------------------------------------------------------------------------------
 
 def test_peer_reads_torchrun_and_srun_variables_and_not_a_batch_script():
-    from ray_job.peers.seed_ddp import dist_env, slurm_master
+    from ray_job.peers.raw_ddp import dist_env, slurm_master
 
     torchrun_env = dist_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "SLURM_PROCID": "0",
                              "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"})  # torchrun inside a SLURM job
@@ -65,17 +66,17 @@ def test_peer_reads_torchrun_and_srun_variables_and_not_a_batch_script():
 
 @pytest.mark.timeout(300)
 def test_peer_under_torchrun_trains_checkpoints_and_resumes(tmp_path):
-    first = torchrun(2, "ray_job.peers.seed_ddp", *TINY_PEER, "--epochs", "1", "--report-json", "first.json",
+    first = torchrun(2, "ray_job.peers.raw_ddp", *TINY_PEER, "--epochs", "1", "--report-json", "first.json",
                      cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     report = json.loads((tmp_path / "first.json").read_text())
     assert (report["launcher"], report["world_size"]) == ("torchrun", 2)
-    assert "seed_ddp: torchrun, world size 2, gloo" in first.stdout
+    assert "raw_ddp: torchrun, world size 2, gloo" in first.stdout
     assert "Epoch [1/1], Step [2/4], Loss:" in first.stdout and " ms, train " in first.stdout
     checkpoint = tmp_path / "checkpoints" / "epoch_1"  # relative --checkpoint-dir: the caller's folder
     assert (checkpoint / "checkpoint.pt").exists()
 
-    second = torchrun(2, "ray_job.peers.seed_ddp", *TINY_PEER, "--epochs", "2", "--checkpoint",
+    second = torchrun(2, "ray_job.peers.raw_ddp", *TINY_PEER, "--epochs", "2", "--checkpoint",
                       "checkpoints/epoch_1", "--report-json", "second.json", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {checkpoint}: 1 epoch(s) done" in second.stdout
@@ -87,15 +88,16 @@ def test_peer_under_torchrun_trains_checkpoints_and_resumes(tmp_path):
 
 # --- bench --vs-ddp --------------------------------------------------------------------------
 
+@pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_bench_vs_ddp_two_workers_reports_every_figure_and_ratio(tmp_path):
     out = tmp_path / "vs.json"
-    proc = run_cli("bench", "--vs-ddp", "--workers", "2", "--model", "resnet18", "--batch-size", "16",
+    proc = run_cli("bench", "vs-ddp", "--workers", "2", "--model", "resnet18", "--batch-size", "16",
                    "--steps", "1", "--warmup", "1", "--matmul-size", "256", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["errors"] == {} and r["ceiling"]["fp32"] > 0 and r["flops_per_image"]["train_step"] > 0
-    assert set(r["runs"]) == {"torchrun_seed", "ray_seed", "torchrun_ours", "ray_ours"}
+    assert set(r["runs"]) == {"torchrun_baseline", "ray_baseline", "torchrun_ours", "ray_ours"}
     for key, run in r["runs"].items():
         assert (run["launcher"], run["loop"]) == tuple(key.split("_")), key
         assert run["world_size"] == 2 and run["global_batch"] == 16 and run["batch_per_process"] == 8
@@ -105,44 +107,52 @@ def test_bench_vs_ddp_two_workers_reports_every_figure_and_ratio(tmp_path):
         assert run["flop_share"] == pytest.approx(run["achieved_flops"] / r["ceiling"]["fp32"])
         assert set(run["split_ms"]) == {"data", "fwd_bwd", "optim"} and 0 <= run["other_cpu_share"] <= 1
     runs, ratios = r["runs"], r["ratios"]
-    for loop in ("seed", "ours"):
+    for loop in ("baseline", "ours"):
         assert ratios["ray_vs_torchrun"][loop] == pytest.approx(
             runs[f"ray_{loop}"]["images_per_s"] / runs[f"torchrun_{loop}"]["images_per_s"])
     for launcher in ("torchrun", "ray"):
-        assert ratios["ours_vs_seed"][launcher] == pytest.approx(
-            runs[f"{launcher}_ours"]["images_per_s"] / runs[f"{launcher}_seed"]["images_per_s"])
-    assert "ray/torchrun (same loop)" in proc.stdout and "ours/seed's loop" in proc.stdout
+        assert ratios["ours_vs_baseline"][launcher] == pytest.approx(
+            runs[f"{launcher}_ours"]["images_per_s"] / runs[f"{launcher}_baseline"]["images_per_s"])
+    assert "ray/torchrun (same loop)" in proc.stdout and "ours/the baseline's loop" in proc.stdout
     assert "load average" in proc.stdout and "of peak" in proc.stdout and "other CPU" in proc.stdout
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_bench_to_accuracy_tiny_stops_both_recipes_at_a_reachable_accuracy(tmp_path):
     out = tmp_path / "race.json"
-    proc = run_cli("bench", "--vs-ddp", "--to-accuracy", "0.3", "--budget-s", "150", "--workers", "2",
+    proc = run_cli("bench", "race", "--target", "0.3", "--budget-s", "150", "--workers", "2",
                    "--model", "resnet18", "--synthetic-train-size", "512", "--synthetic-test-size", "256",
                    "--ours-flags", "--epochs 2 --batch-size 128 --warmup-epochs 0.5", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    for key, launcher in (("seed", "torchrun"), ("ours", "ray")):
+    for key, launcher in (("baseline", "torchrun"), ("ours", "ray")):
         x = r[key]
         assert x["launcher"] == launcher and x["reached"] and x["stopped"] in ("target", "epochs"), x
         hit = next(h for h in x["history"] if h["test_acc"] >= 0.3)
         assert x["time_to_target_s"] == hit["t_s"] and 0 < x["time_to_target_s"] <= x["wall_s"]
         assert 0 < x["train_time_to_target_s"] < x["time_to_target_s"]
         assert all(h["test_acc"] < 0.3 for h in x["history"][:x["history"].index(hit)])
-    assert r["seed"]["stopped"] == "target" and r["seed"]["final_acc"] >= 0.3  # the peer stopped itself
+    assert r["baseline"]["stopped"] == "target" and r["baseline"]["final_acc"] >= 0.3  # the peer stopped itself
     c = r["comparison"]
     assert c["reference_acc"] == 0.3
-    assert c["ours_vs_seed_time"] == pytest.approx(r["ours"]["time_to_target_s"] / r["seed"]["time_to_target_s"])
-    assert "ours/seed" in proc.stdout and "to target s" in proc.stdout
-    assert len(list((out.parent).glob("bench_to_accuracy_*/seed_checkpoints/epoch_*"))) == 1
+    ours_s, baseline_s = r["ours"]["time_to_target_s"], r["baseline"]["time_to_target_s"]
+    assert c["ours_vs_baseline_time"] == pytest.approx(ours_s / baseline_s)
+    assert "ours/baseline" in proc.stdout and "to target s" in proc.stdout
+    assert len(list((out.parent).glob("bench_to_accuracy_*/baseline_checkpoints/epoch_*"))) == 1
 
 
-def test_to_accuracy_needs_vs_ddp_and_a_fraction():
+@pytest.mark.parametrize("argv, words", [
+    (["race", "--target", "1.5"], "between 0 and 1"),
+    (["race", "--budget-s", "0"], "--budget-s must be positive"),
+    (["vs-ddp", "--repeats", "0"], "--repeats >= 1"),
+    (["step", "--steps", "-1"], "must not be negative"),
+    (["sprint"], "unknown bench command"),
+    (["vs-ddp", "--to-accuracy", "0.5"], "unrecognized arguments"),
+])
+def test_bad_bench_flags_are_usage_errors(argv, words):
     from ray_job.bench import main
-    from ray_job.config import UsageError
+    from ray_job.core.errors import UsageError
 
-    with pytest.raises(UsageError, match="add --vs-ddp"):
-        main(["--to-accuracy", "0.5"])
-    with pytest.raises(UsageError, match="between 0 and 1"):
-        main(["--vs-ddp", "--to-accuracy", "93"])
+    with pytest.raises(UsageError, match=words):
+        main(argv)

@@ -13,10 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from ..cli import (ArgumentParser, Formatter, add_config_args, add_dataclass_args, apply_recipe, config_from_args,
-                   option)
-from ..config import TrainConfig, UsageError
-from ..runlog import read_json
+from ..config import TrainConfig, config_from_args
+from ..config.parser import add_config_args, apply_recipe
+from ..core.errors import UsageError
+from ..core.flags import ArgumentParser, Formatter, add_dataclass_args, option
+from ..storage import read_json
 from . import commmodel
 
 # A fixed, short amount of work per point; --sync-timing makes the GPU step split exact.
@@ -77,19 +78,18 @@ class ScaleOptions:
     # --- the sweep ---
     workers: tuple[int, ...] = option((1, 2, 4, 8), "worker counts, comma-separated (1 is always "
                                       "added: it is the baseline)", type=worker_list)
-    mode: str = option("both", "strong: fixed global --batch-size split across workers (the seed's "
-                       "chart); weak: every worker takes --batch-size", choices=("strong", "weak", "both"))
+    mode: str = option("both", "strong: fixed global --batch-size split across workers (the raw-DDP "
+                       "baseline's chart); weak: every worker takes --batch-size", choices=("strong", "weak", "both"))
     link: str = option("auto", f"interconnect for the model: {', '.join(commmodel.LINKS)}, custom (give "
                        "both numbers), or auto (a sweep on one node: nvlink with NCCL, loopback with gloo; "
-                       "several nodes: ib. --predict: ib)")
+                       "several nodes: ib. predict: ib)")
     bandwidth_gbps: Optional[float] = option(None, "override the link's bus bandwidth (Gbit/s)", type=float)
     latency_us: Optional[float] = option(None, "override the link's per-step latency (us)", type=float)
     overlap: Optional[bool] = option(None, "model DDP's overlap of all-reduce with backward; default: on "
                                      "for GPU workers, off for CPU workers (gloo reduces on the cores "
-                                     "that compute backward, so little is hidden); --predict prints both",
+                                     "that compute backward, so little is hidden); predict prints both",
                                      bool_flag=True)
-    # --- on paper ---
-    predict: bool = option(False, "print the model's projection and exit")
+    # --- on paper (scale predict) ---
     from_path: Optional[str] = option(None, "take the single-worker step and gradient size (and train "
                                       "flags' defaults) from a previous sweep's scaling.json")
     step_ms: Optional[float] = option(None, "single-worker step time at --batch-size per worker (default: "
@@ -105,10 +105,6 @@ class ScaleOptions:
             raise UsageError(f"--mode {self.mode!r} is not one of: strong, weak, both")
         if not self.workers or min(self.workers) < 1:
             raise UsageError("--workers: worker counts must be positive integers")
-        paper = (self.from_path, self.step_ms, self.optim_ms, self.grad_mb)
-        if not self.predict and any(v is not None for v in paper):
-            raise UsageError("--from, --step-ms, --optim-ms and --grad-mb describe a projection: "
-                             "add --predict")
 
     @property
     def modes(self) -> list[str]:
@@ -120,39 +116,51 @@ class ScaleOptions:
         return sorted({1, *self.workers})
 
 
-SWEEP_FLAGS = ("workers", "mode", "link", "bandwidth_gbps", "latency_us", "overlap")
-PAPER_FLAGS = ("predict", "from_path", "step_ms", "optim_ms", "grad_mb")
+PAPER_FLAGS = ("from_path", "step_ms", "optim_ms", "grad_mb")
+COMMANDS = ("sweep", "predict")
 
 
-def build_parser(argv: list[str]) -> ArgumentParser:
-    parser = ArgumentParser(prog="python -m ray_job scale", formatter_class=Formatter,
+def split_command(argv: list[str]) -> tuple[str, list[str]]:
+    """`scale sweep FLAGS` or `scale predict FLAGS`; flags alone mean sweep."""
+    if argv and argv[0] in COMMANDS:
+        return argv[0], list(argv[1:])
+    if argv and not argv[0].startswith("-"):
+        raise UsageError(f"unknown scale command {argv[0]!r}; use sweep (the default) or predict")
+    return "sweep", list(argv)
+
+
+def build_parser(argv: list[str], command: str = "sweep") -> ArgumentParser:
+    """The parser of `scale sweep` (train flags, as the points run them) or `scale predict`."""
+    parser = ArgumentParser(prog=f"python -m ray_job scale {command}", formatter_class=Formatter,
                             description=DESCRIPTION)
-    add_dataclass_args(parser.add_argument_group("scaling sweep"), ScaleOptions, skip=PAPER_FLAGS)
-    paper = parser.add_argument_group("--predict: on paper, no Ray, nothing run")
-    add_dataclass_args(paper, ScaleOptions, skip=(*SWEEP_FLAGS, "from_path"))
-    # `from` is a keyword, so its field is from_path: the one flag not named after its field.
-    from_path = next(f for f in dataclasses.fields(ScaleOptions) if f.name == "from_path")
-    paper.add_argument("--from", dest="from_path", metavar="SCALING_JSON", help=from_path.metadata["help"])
+    add_dataclass_args(parser.add_argument_group("the points and the model"), ScaleOptions, skip=PAPER_FLAGS)
+    if command == "predict":
+        paper = parser.add_argument_group("on paper: no Ray, nothing run")
+        add_dataclass_args(paper, ScaleOptions, skip=[f.name for f in dataclasses.fields(ScaleOptions)
+                                                      if f.name not in PAPER_FLAGS or f.name == "from_path"])
+        # `from` is a keyword, so its field is from_path: the one flag not named after its field.
+        from_path = next(f for f in dataclasses.fields(ScaleOptions) if f.name == "from_path")
+        paper.add_argument("--from", dest="from_path", metavar="SCALING_JSON", help=from_path.metadata["help"])
     add_config_args(parser, skip=POINT_FIELDS)
     apply_recipe(parser, argv)
     parser.set_defaults(**SCALE_DEFAULTS)
     return parser
 
 
-def parse_args(argv: list[str]) -> tuple[ScaleOptions, TrainConfig, Optional[dict]]:
+def parse_args(argv: list[str], command: str) -> tuple[ScaleOptions, TrainConfig, Optional[dict]]:
     """Scale options, the train config, and the --from sweep (whose config gives the defaults)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--from", dest="from_path")
-    pre.add_argument("--predict", action="store_true")
-    known = pre.parse_known_args(argv)[0]
-    # Without --predict, ScaleOptions says that --from needs it: no need to read the file first.
-    previous = load_sweep(known.from_path) if known.predict else None
-    parser = build_parser(argv)
+    previous = None
+    if command == "predict":
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--from", dest="from_path")
+        previous = load_sweep(pre.parse_known_args(argv)[0].from_path)
+    parser = build_parser(argv, command)
     if previous is not None:
         saved = previous.get("config", {})
         parser.set_defaults(**{k: v for k, v in saved.items() if k not in POINT_FIELDS})
     ns = parser.parse_args(argv)
-    opts = ScaleOptions(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ScaleOptions)})
+    opts = ScaleOptions(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ScaleOptions)
+                           if hasattr(ns, f.name)})
     cfg = config_from_args(ns)
     if not cfg.name:
         cfg = dataclasses.replace(cfg, name=time.strftime("scale_%Y%m%d_%H%M%S"))
@@ -200,13 +208,13 @@ fixed short amount of work (--epochs 1 --steps-per-epoch 50 --sync-timing --max-
 Outputs in <storage-path>/<name>/ (default name scale_<date>_<time>): scaling.csv, scaling.json,
 scaling.md, scaling.png, and one run folder per point.
 
---predict projects on paper without Ray: the single-worker step comes from --from (a previous
+`scale predict` projects on paper without Ray: the single-worker step comes from --from (a previous
 sweep's scaling.json), else --step-ms, else a reference measurement for ResNet-50 on one H200; the
 gradient size from --grad-mb, else --from, else the --model's parameter count.
 
 examples:
-  python -m ray_job scale --workers 1,2,4,8 --data cifar10 --address auto
-  python -m ray_job scale --workers 1,2 --no-gpu --data synthetic --model resnet18 --stem imagenet
-  python -m ray_job scale --predict --workers 8,16,32,64 --link ib
-  python -m ray_job scale --predict --from results/scale_x/scaling.json --workers 2,4,8 --link 10gbe
+  python -m ray_job scale sweep --workers 1,2,4,8 --data cifar10 --address auto
+  python -m ray_job scale sweep --workers 1,2 --no-gpu --data synthetic --model resnet18 --stem imagenet
+  python -m ray_job scale predict --workers 8,16,32,64 --link ib
+  python -m ray_job scale predict --from results/scale_x/scaling.json --workers 2,4,8 --link 10gbe
 """

@@ -1,6 +1,6 @@
-"""--predict: the communication model's projection on paper. No Ray, nothing runs.
+"""`scale predict`: the communication model's projection on paper. No Ray, nothing runs.
 
-    python -m ray_job scale --predict --workers 8,16,32,64 --link ib
+    python -m ray_job scale predict --workers 8,16,32,64 --link ib
 
 The single-worker step comes from --from (a sweep's scaling.json), else --step-ms, else a reference
 measurement; the gradient size from --grad-mb, else --from, else the model's parameter count.
@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..config import TrainConfig, UsageError
+from ..config import TrainConfig
+from ..core.errors import UsageError
 from . import commmodel
 from .common import ScaleOptions, saved_profile
 
@@ -52,7 +53,7 @@ def gradient_bytes(opts: ScaleOptions, cfg: TrainConfig, previous: Optional[dict
         saved_bf16 = previous["config"].get("grad_compression") == "bf16"
         nbytes = profile.grad_bytes * (2 if saved_bf16 else 1) * (0.5 if bf16 else 1)
         return nbytes, f"the sweep's model, {'bf16' if bf16 else 'fp32'}"
-    from ..model import build_model, gradient_bytes as model_gradient_bytes
+    from ..model.resnet import build_model, gradient_bytes as model_gradient_bytes
 
     nbytes = model_gradient_bytes(build_model(cfg.model, cfg.stem, 10)) * (0.5 if bf16 else 1.0)
     return nbytes, f"{cfg.model} fp32{' -> bf16' if bf16 else ''}"

@@ -12,7 +12,8 @@ import math
 from typing import Any, Optional
 
 from .. import storage
-from ..runlog import csv_text, write_json
+from ..storage import write_json
+from ..train.runlog import csv_text
 from .common import COLUMN_HELP, COLUMNS, SCALING_CSV, SCALING_JSON, SCALING_MD, SCALING_PNG
 
 

@@ -15,22 +15,22 @@ import shlex
 import time
 from typing import Any, Optional
 
-from .. import stop, storage
-from ..config import TrainConfig, UsageError, choose_use_gpu
-from ..launch import (EXIT_PREEMPTED, check_storage, connect, finished_summary, run_training,
-                      with_default_name)
-from ..metrics import EpochMetrics
-from ..runlog import CONFIG_JSON, SUMMARY_JSON, read_json
+from .. import storage
+from ..config import TrainConfig, choose_use_gpu
+from ..core.errors import UsageError
+from ..core.exits import ExitCode
+from ..storage import read_json
+from ..train import stop
+from ..train.driver import check_storage, run_training, with_default_name
+from ..train.metrics import EpochMetrics
+from ..train.runfiles import CONFIG_JSON, SUMMARY_JSON
+from ..train.summary import finished_summary
+from ..train.trainer import backend, connect
 from . import commmodel
 from .common import COLUMNS, MODES, SCALING_CSV, SCALING_JSON, SCALING_MD, SCALING_PNG, ScaleOptions
 from .report import write_outputs
 
 log = logging.getLogger("ray_job.scale")
-# Config fields that may differ between two runs of the same point: the address changes with every
-# SLURM job, `train` turns --progress auto into bar or lines, and how long to wait for storage or
-# resources, or how often to checkpoint, changes nothing a point measures.
-REUSE_IGNORES = ("address", "progress", "retry_storage_s", "resource_wait_s", "checkpoint_every_min",
-                 "collective_timeout_s")
 
 
 def run_sweep(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Link],
@@ -72,7 +72,7 @@ def exit_code(rows: list[dict]) -> int:
     if statuses & {"preempted", "not run"}:
         print("sweep stopped on request; run the same command (same --name) to finish it: finished "
               "points are reused")
-        return EXIT_PREEMPTED
+        return ExitCode.STOPPED
     return 1 if "failed" in statuses else 0
 
 
@@ -108,7 +108,7 @@ def auto_link(cluster: dict, cfg: TrainConfig, opts: ScaleOptions) -> commmodel.
     """--link auto: ib across nodes, nvlink between GPUs with NCCL, else gloo's loopback."""
     if cluster["nodes"] > 1:
         name = "ib"
-    elif cfg.use_gpu and cfg.backend != "gloo":
+    elif cfg.use_gpu and backend(cfg) != "gloo":
         name = "nvlink"
     else:
         name = "loopback"
@@ -138,7 +138,7 @@ def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> 
     except Exception as e:  # one broken point must not lose the whole sweep
         log.exception("scale: %s %d worker(s) failed", mode, workers)
         return {**row, "status": "failed", "reason": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-    if rc == EXIT_PREEMPTED:
+    if rc == ExitCode.STOPPED:
         return {**row, "status": "preempted", "reason": "stopped on request; rerun to measure it"}
     if rc != 0:
         return {**row, "status": "failed", "reason": f"train exited with {rc}; see {point.run_dir()}"}
@@ -154,9 +154,11 @@ def finished_point(point: TrainConfig) -> bool:
     if not d.is_dir():
         return False
     if finished_summary(point) is not None:
+        # the fields that change what a point computes (`affects_result`); the address changes with
+        # every SLURM job, how long to wait or how often to checkpoint changes nothing measured
+        wanted = point.result_fields()
         saved = read_json(d.join(CONFIG_JSON))
-        if {k: v for k, v in saved.items() if k not in REUSE_IGNORES} != \
-                {k: v for k, v in point.to_dict().items() if k not in REUSE_IGNORES}:
+        if {k: saved.get(k) for k in wanted} != wanted:
             raise UsageError(f"{d.uri} holds a finished point run with other flags; use a new --name")
         return True
     aside = storage.at(f"{d.uri}.interrupted-{time.strftime('%Y%m%d_%H%M%S')}", near=d)

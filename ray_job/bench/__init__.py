@@ -1,0 +1,59 @@
+"""`python -m ray_job bench COMMAND`: measurements that print figures (never assertions).
+
+    bench step        images/s of the raw-DDP baseline's pipeline vs this project's step, with and
+                      without Ray, and each as a share of the device's peak (step.py)
+    bench data-path   the input pipeline alone: in-memory vs prepared vs JPEG, img/s and memory
+                      (datapath.py)
+    bench vs-ddp      torchrun vs Ray Train, the baseline's loop vs ours (vsddp.py)
+    bench race        time to accuracy: the baseline's recipe vs `train --recipe fast` (race.py)
+    bench checkpoints the cost of checkpoints: steady img/s and the stall per checkpoint, none vs
+                      synchronous vs asynchronous, local folder and object storage (checkpoints.py)
+
+Each writes its report as strict JSON (--out) beside what it prints. The parts share common.py
+(device, timed steps, launchers) and ceiling.py (the device's peak FLOP/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+from ..core.errors import UsageError
+
+# command -> (module, its config class)
+COMMANDS = {
+    "step": ("step", "StepConfig"),
+    "data-path": ("datapath", "DataPathConfig"),
+    "vs-ddp": ("vsddp", "VsDdpConfig"),
+    "race": ("race", "RaceConfig"),
+    "checkpoints": ("checkpoints", "CheckpointBenchConfig"),
+}
+
+
+def main(argv: list[str]) -> int:
+    from ..core.flags import ArgumentParser, Formatter, add_dataclass_args
+    from ..core.paths import resolve_path
+    from ..storage import write_json
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n")[1])
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        raise UsageError(f"unknown bench command {argv[0]!r}; use one of {', '.join(COMMANDS)}")
+    module_name, class_name = COMMANDS[argv[0]]
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    cls = getattr(module, class_name)
+    parser = ArgumentParser(prog=f"python -m ray_job bench {argv[0]}", formatter_class=Formatter,
+                            description=(module.__doc__ or "").split("\n\n")[0])
+    add_dataclass_args(parser, cls)
+    cfg = cls(**vars(parser.parse_args(argv[1:])))
+    paths = {f.name: resolve_path(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+             if f.name in ("out", "src", "work", "data_dir")}
+    cfg = dataclasses.replace(cfg, **paths)
+    import os
+
+    os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
+    report = module.main(cfg)
+    write_json(cfg.out, report)
+    print(f"written: {cfg.out}")
+    return 1 if report.get("errors") else 0

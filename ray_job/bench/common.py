@@ -1,0 +1,103 @@
+"""What the benchmarks share: the device and `train`'s own speed choices for it, timed steps, the
+machine's name, launching torchrun processes that find this ray_job, and joining Ray."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..config import Speed
+from ..core.errors import UsageError
+
+
+class BaselineRecipe:
+    """The raw-DDP baseline's optimiser settings (ray_job.peers.raw_ddp's defaults)."""
+
+    lr = 1e-4
+    momentum = 0.9
+    batch = 128
+
+
+def device_and_flags(cuda: bool):
+    """The device and `train`'s own choice of bf16 / channels_last for it (flags at their defaults)."""
+    speed = Speed.choose("auto", "auto", use_gpu=cuda, cuda_available=cuda)
+    device = torch.device("cuda", torch.cuda.current_device()) if speed.cuda else torch.device("cpu")
+    return device, speed.bf16, speed.channels_last
+
+
+def constant_scheduler(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def run_steps(model, batches, optimizer, preprocess: Callable, device, bf16: bool, steps: int,
+              warmup: int) -> dict:
+    """img/s and data share over `steps` steps after `warmup` untimed ones (train_epoch timing)."""
+    from ..train.engine import peak_rss_gib, train_epoch
+
+    loss_fn = nn.CrossEntropyLoss()
+    sched = constant_scheduler(optimizer)
+    if warmup:
+        train_epoch(model, batches(), optimizer, sched, loss_fn, preprocess, device, bf16, max_steps=warmup)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    stats = train_epoch(model, batches(), optimizer, sched, loss_fn, preprocess, device, bf16,
+                        max_steps=steps)
+    result = dict(images_per_s=stats.count / stats.wall_s, data_share=stats.data_s / stats.wall_s,
+                  steps=stats.steps, batch=stats.count // max(stats.steps, 1), seconds=stats.wall_s,
+                  peak_host_mem_gib=peak_rss_gib())
+    if device.type == "cuda":
+        result["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return result
+
+
+def machine(cuda: bool) -> str:
+    import platform
+
+    if cuda:
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    return f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
+
+
+def child_env(threads: int) -> dict:
+    """Environment of launched processes: they find this ray_job even when it is not installed."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "OMP_NUM_THREADS": str(threads),
+            "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+def torchrun_cmd(workers: int, *module_args: str) -> list[str]:
+    """torchrun (as `python -m torch.distributed.run`, which is what the torchrun script runs)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+            "-m", *module_args]
+
+
+def tail(path: str, n: int = 25) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+def connect_ray(workers: int, cuda: bool) -> tuple[float, int]:
+    """Joins $RAY_ADDRESS or starts a local cluster: (seconds it took, torch threads per process).
+
+    Every process of either launcher gets the same share of the CPUs this machine and the Ray
+    cluster both have; fails if N workers of that size cannot fit."""
+    import ray
+
+    from ..config import TrainConfig
+    from ..train.trainer import connect, workers_that_fit
+
+    t = time.time()
+    connect(TrainConfig())
+    cpus = min(len(os.sched_getaffinity(0)), int(ray.cluster_resources().get("CPU", 1)))
+    threads = max(1, cpus // workers)
+    fits = workers_that_fit(threads, 1 if cuda else 0)
+    if fits < workers:
+        raise UsageError(f"--workers {workers} of {threads} CPU{' + 1 GPU' if cuda else ''} cannot fit: the "
+                         f"Ray cluster holds {fits}; lower --workers")
+    return time.time() - t, threads

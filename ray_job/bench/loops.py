@@ -1,0 +1,245 @@
+"""One throughput run of `bench vs-ddp`: the same code under torchrun and under Ray Train, with the
+raw-DDP baseline's loop or ours. Under torchrun the loops wrap DDP and a DistributedSampler
+themselves, exactly as Ray's prepare_* helpers do; everything else is the same function (`run_loop`).
+
+    python -m ray_job.bench.loops SPEC.json    # one torchrun process of a run (vsddp.py starts it)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import statistics
+import sys
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ..config import Speed
+from ..storage import read_json, write_json
+from .common import BaselineRecipe
+
+
+LOOPS = ("baseline", "ours")
+
+
+DDP_KWARGS = dict(gradient_as_bucket_view=True, bucket_cap_mb=25)  # as `train` (train/build.make_model)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    loop: str             # "baseline" | "ours"
+    model: str
+    stem: str
+    global_batch: int
+    steps: int            # timed
+    warmup: int           # untimed, first
+    threads: int          # torch threads per process
+    cuda: bool
+    num_classes: int = 10
+    out: str = ""         # torchrun: where rank 0 writes its result
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the launcher put this process. Under Ray, prepare_model / prepare_data_loader wrap
+    DDP, add the DistributedSampler and move batches; under torchrun the same is done by hand."""
+
+    rank: int
+    world: int
+    device: torch.device
+    ray: bool
+
+    def wrap_model(self, model: nn.Module, **ddp: Any) -> nn.Module:
+        if self.ray:
+            import ray.train.torch
+
+            return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp)
+        from ..peers.raw_ddp import wrap_ddp
+
+        return wrap_ddp(model.to(self.device), self.device, self.world, **ddp)
+
+    def sampler(self, dataset) -> Optional[DistributedSampler]:
+        if self.ray or self.world == 1:
+            return None  # Ray's prepare_data_loader adds it
+        return DistributedSampler(dataset, num_replicas=self.world, rank=self.rank, shuffle=True)
+
+    def wrap_loader(self, loader: DataLoader, move: bool):
+        if self.ray:
+            import ray.train.torch
+
+            return ray.train.torch.prepare_data_loader(loader)
+        return _ToDevice(loader, self.device) if move else loader
+
+
+class _ToDevice:
+    """Batches copied to the device without blocking (what prepare_data_loader does under Ray)."""
+
+    def __init__(self, loader: DataLoader, device: torch.device):
+        self.loader, self.device, self.sampler = loader, device, loader.sampler
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for x, y in self.loader:
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+def _set_epoch(loader, epoch: int) -> None:
+    if isinstance(getattr(loader, "sampler", None), DistributedSampler):
+        loader.sampler.set_epoch(epoch)
+
+
+def _baseline_loop(spec: RunSpec, place: Placement, split, per_rank: int):
+    from ..peers import raw_ddp
+
+    env = raw_ddp.DistEnv(place.rank, place.world, 0, "ray" if place.ray else "torchrun")
+    model = place.wrap_model(raw_ddp.build_baseline_model(spec.model, spec.num_classes, spec.stem))
+    optimizer = raw_ddp.baseline_optimizer(model, BaselineRecipe.lr, BaselineRecipe.momentum)
+    loader = place.wrap_loader(raw_ddp.baseline_train_loader(split, per_rank, env, 0, 0, not place.ray),
+                               move=False)
+    criterion = nn.CrossEntropyLoss()
+
+    def epoch(e: int, steps: int):
+        _set_epoch(loader, e)
+        return raw_ddp.train_epoch(model, loader, optimizer, criterion, place.device, e, 2, env,
+                                    print_every=0, max_steps=steps)
+    return epoch, False
+
+
+def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
+    from ..config import TrainConfig
+    from ..data.arrays import ArrayDataset
+    from ..data.augment import DeviceAugment
+    from ..model.optim import build_optimizer
+    from ..model.resnet import build_model, unwrap
+    from ..train.engine import train_epoch
+    from .common import constant_scheduler
+
+    cuda = place.device.type == "cuda"
+    speed = Speed.choose("auto", "auto", use_gpu=cuda, cuda_available=cuda)
+    if cuda:
+        torch.backends.cudnn.benchmark = True
+    model = build_model(spec.model, spec.stem, spec.num_classes)
+    if speed.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = place.wrap_model(model, **DDP_KWARGS)
+    optimizer = build_optimizer(unwrap(model), TrainConfig(batch_size=spec.global_batch,
+                                                           lr_ref_batch=spec.global_batch),
+                                place.world, place.device)
+    scheduler = constant_scheduler(optimizer)
+    ds = ArrayDataset(split)
+    sampler = place.sampler(ds)
+    loader = place.wrap_loader(DataLoader(ds, batch_size=per_rank, shuffle=sampler is None, sampler=sampler,
+                                          drop_last=True, collate_fn=ds.collate_fn, pin_memory=cuda), move=True)
+    augment, loss_fn = DeviceAugment(place.device, speed.channels_last), nn.CrossEntropyLoss()
+
+    def epoch(e: int, steps: int):
+        _set_epoch(loader, e)
+        return train_epoch(model, loader, optimizer, scheduler, loss_fn, augment, place.device,
+                           speed.bf16, max_steps=steps)
+    return epoch, speed.bf16
+
+
+def machine_busy_s() -> Optional[float]:
+    """CPU seconds this machine has been busy (all cores, all processes; Linux /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+
+
+def own_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_loop(spec: RunSpec, place: Placement) -> Optional[dict]:
+    """Warm-up steps, then timed steps; rank 0 returns everyone's figures, the others None."""
+    from ..data.synthetic import make_synthetic
+    from ..train.engine import peak_rss_gib
+
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(0)
+    split = make_synthetic(spec.global_batch * max(spec.steps, spec.warmup), 0, True)
+    per_rank = spec.global_batch // place.world
+    epoch, bf16 = (_baseline_loop if spec.loop == "baseline" else _our_loop)(spec, place, split, per_rank)
+    warm = epoch(0, spec.warmup)
+    busy0, own0 = machine_busy_s(), own_cpu_s()
+    timed = epoch(1, spec.steps)
+    busy1, own1 = machine_busy_s(), own_cpu_s()
+    cuda = place.device.type == "cuda"
+    mine = dict(rank=place.rank, host=socket.gethostname(), count=timed.count, wall_s=timed.wall_s, steps=timed.steps,
+                step_s_median=statistics.median(timed.step_times) if timed.step_times else None,
+                split_s=dict(data=timed.data_s, fwd_bwd=timed.fwd_bwd_s, optim=timed.optim_s),
+                own_cpu_s=own1 - own0, machine_busy_s=None if busy0 is None else busy1 - busy0,
+                first_step_time=warm.first_step_time, peak_host_mem_gib=peak_rss_gib(),
+                peak_gpu_mem_gib=torch.cuda.max_memory_allocated(place.device) / 2**30 if cuda else None)
+    everyone = [mine]
+    if place.world > 1 and dist.is_initialized():
+        everyone = [None] * place.world
+        dist.all_gather_object(everyone, mine)
+    if place.rank != 0:
+        return None
+    gpu = [r["peak_gpu_mem_gib"] for r in everyone if r["peak_gpu_mem_gib"] is not None]
+    return dict(loop=spec.loop, world_size=place.world, batch_per_process=per_rank,
+                global_batch=per_rank * place.world, steps=timed.steps, warmup=spec.warmup,
+                precision="bf16" if bf16 else "fp32", threads_per_process=spec.threads,
+                images_per_s=sum(r["count"] for r in everyone) / max(r["wall_s"] for r in everyone),
+                step_ms_median=1000 * mine["step_s_median"] if mine["step_s_median"] else None,
+                # rank 0's mean ms per step: waiting for data (+ its preprocessing), forward +
+                # backward (the baseline's loop: + optimizer step), optimizer step
+                split_ms={k: 1000 * v / max(timed.steps, 1) for k, v in mine["split_s"].items()},
+                first_step_time=min(r["first_step_time"] for r in everyone),
+                peak_host_mem_gib=max(r["peak_host_mem_gib"] for r in everyone),
+                peak_host_mem_gib_per_process=[r["peak_host_mem_gib"] for r in everyone],
+                peak_gpu_mem_gib=max(gpu) if gpu else None,
+                other_cpu_share=other_cpu_share(mine, everyone))
+
+
+def other_cpu_share(rank0: dict, everyone: list[dict]) -> Optional[float]:
+    """Share of rank 0's machine busy OUTSIDE the training processes during the timed steps: the
+    launcher's own processes (Ray's daemons) plus anyone else's jobs. Counts the processes on rank
+    0's host only (same hostname), so it stays meaningful on several nodes."""
+    if rank0["machine_busy_s"] is None or not rank0["wall_s"]:
+        return None
+    own = sum(r["own_cpu_s"] for r in everyone if r["host"] == rank0["host"])
+    return max(0.0, rank0["machine_busy_s"] - own) / (rank0["wall_s"] * (os.cpu_count() or 1))
+
+
+def worker_main(argv: list[str]) -> int:
+    """One torchrun process: `python -m ray_job.bench.loops SPEC.json`."""
+    from ..peers.raw_ddp import dist_env, init_distributed
+
+    spec = RunSpec(**read_json(argv[0]))
+    env = dist_env()
+    device = init_distributed(env)
+    result = run_loop(spec, Placement(env.rank, env.world, device, ray=False))
+    if result is not None:
+        write_json(spec.out, result)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _ray_worker(config: dict) -> Optional[dict]:
+    import ray.train
+    import ray.train.torch
+
+    ctx = ray.train.get_context()
+    place = Placement(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), ray=True)
+    return run_loop(RunSpec(**config["spec"]), place)
+
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))

@@ -1,0 +1,209 @@
+"""`python -m ray_job bench vs-ddp`: this project side by side with the raw-DDP baseline.
+
+The same model, global batch and steps, run four times on synthetic data:
+    torchrun  baseline loop  the raw-DDP baseline's loop (ray_job.peers.raw_ddp: fp32, PIL per
+                             sample, SGD)
+    ray       baseline loop  the same code in a Ray Train worker (prepare_model / prepare_data_loader)
+    torchrun  our loop       this project's step (uint8 batches, device augmentation, Speed.choose)
+    ray       our loop       the same under Ray Train, as `train` runs it
+Under torchrun the loops wrap DDP and a DistributedSampler themselves, exactly as Ray's prepare_*
+helpers do; everything else is the same function (`run_loop`). Each run reports steady images/s
+(the timed steps after the warm-up ones), the time from launch to the first finished step, and
+each process's peak memory; the ratios are Ray/torchrun for the same loop and ours/the baseline's
+loop, with each run's share of the device's measured peak (ceiling.py).
+
+    python -m ray_job bench vs-ddp --workers 2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from ..config import MODELS, STEMS
+from ..core.errors import UsageError
+from ..core.flags import option
+from ..storage import read_json, write_json
+from .ceiling import _f, device_peaks, flop_share, flops_per_image, format_peaks
+from .common import BaselineRecipe, child_env, connect_ray, machine, tail, torchrun_cmd
+from .loops import LOOPS, RunSpec, _ray_worker
+
+
+@dataclasses.dataclass(frozen=True)
+class VsDdpConfig:
+    workers: int = option(1, "processes (torchrun) and workers (Ray Train); one GPU each on GPU")
+    model: str = option("resnet50", "torchvision ResNet", choices=MODELS)
+    stem: str = option("imagenet", "the model's stem", choices=STEMS)
+    batch_size: int = option(0, "global batch; 0 = the baseline's 128")
+    steps: int = option(0, "timed steps; 0 = 12 on CPU, 50 on GPU")
+    warmup: int = option(0, "untimed steps first; 0 = 2 on CPU, 10 on GPU")
+    repeats: int = option(1, "passes over the four runs, interleaved; each keeps its pass with the least "
+                          "CPU used outside its processes (other jobs, the launcher's daemons)")
+    run_timeout_s: float = option(1800.0, "give up on a torchrun run after this many seconds")
+    matmul_size: int = option(0, "n of the n x n matmul that measures the device's peak FLOP/s; 0 = 2048 on "
+                              "CPU, 8192 on GPU")
+    out: str = option("results/bench_vs_ddp.json", "where the JSON report goes")
+
+    def __post_init__(self) -> None:
+        if min(self.batch_size, self.steps, self.warmup, self.matmul_size) < 0 or self.repeats < 1:
+            raise UsageError("bench sizes must not be negative (0 picks the device's default); --repeats >= 1")
+
+
+LAUNCHERS = ("torchrun", "ray")
+
+
+def launch_torchrun(spec: RunSpec, workers: int, work: str, timeout: float) -> dict:
+    name = f"torchrun_{spec.loop}"
+    spec = dataclasses.replace(spec, out=os.path.join(work, f"{name}.json"))
+    write_json(os.path.join(work, f"{name}_spec.json"), dataclasses.asdict(spec))
+    log = os.path.join(work, f"{name}.log")
+    launched = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run(torchrun_cmd(workers, "ray_job.bench.loops", os.path.join(work, f"{name}_spec.json")),
+                              stdout=f, stderr=subprocess.STDOUT, env=child_env(spec.threads), timeout=timeout)
+    if proc.returncode != 0 or not os.path.exists(spec.out):
+        raise RuntimeError(f"torchrun exited with {proc.returncode}; last lines of {log}:\n{tail(log)}")
+    result = read_json(spec.out)
+    result.update(launcher="torchrun", launch_to_first_step_s=result["first_step_time"] - launched,
+                  process_wall_s=time.time() - launched, log=log)
+    return result
+
+
+def launch_ray(spec: RunSpec, workers: int, work: str) -> dict:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    resources = {"CPU": spec.threads, **({"GPU": 1} if spec.cuda else {})}
+    trainer = TorchTrainer(
+        _ray_worker, train_loop_config={"spec": dataclasses.asdict(spec)},
+        torch_config=TorchConfig(backend="nccl" if spec.cuda else "gloo"),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=spec.cuda, resources_per_worker=resources),
+        run_config=RunConfig(name=f"vsddp_{spec.loop}_{int(time.time())}", storage_path=os.path.join(work, "ray")))
+    launched = time.time()
+    result = trainer.fit().return_value
+    result.update(launcher="ray", launch_to_first_step_s=result["first_step_time"] - launched,
+                  process_wall_s=time.time() - launched)
+    return result
+
+
+def sizes(cfg, cuda: bool) -> dict:
+    """vs-ddp sizes: the baseline's global batch of 128 unless given; enough steps to be steady."""
+    stem = cfg.stem
+    if stem not in ("imagenet", "cifar"):
+        raise UsageError(f"--stems takes imagenet or cifar, not {stem!r}")
+    return dict(model=cfg.model, stem=stem, global_batch=cfg.batch_size or BaselineRecipe.batch,
+                steps=cfg.steps or (50 if cuda else 12), warmup=cfg.warmup or (10 if cuda else 2))
+
+
+def check_workers(workers: int, global_batch: int, cuda: bool) -> None:
+    if workers < 1:
+        raise UsageError("--workers must be at least 1")
+    if cuda and workers > torch.cuda.device_count():
+        raise UsageError(f"--workers {workers} needs {workers} GPUs (one per process); this machine has "
+                         f"{torch.cuda.device_count()}")
+    if global_batch < workers:
+        raise UsageError(f"--batch-size {global_batch} (global) is smaller than --workers {workers}")
+
+
+def measure_vs_ddp(cfg) -> dict:
+    """The four runs, the ceiling and the ratios, as one report."""
+    from ..model.resnet import build_model
+
+    cuda = torch.cuda.is_available()
+    size = sizes(cfg, cuda)
+    check_workers(cfg.workers, size["global_batch"], cuda)
+    work = os.path.join(os.path.dirname(cfg.out), "bench_vs_ddp")
+    os.makedirs(work, exist_ok=True)
+    cluster_s, threads = connect_ray(cfg.workers, cuda)
+    load_before = os.getloadavg()
+    peaks = device_peaks(cuda, cfg.matmul_size)
+    flops = flops_per_image(build_model(size["model"], size["stem"], 10))
+    report = dict(kind="vs_ddp", date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=machine(cuda),
+                  torch=torch.__version__, workers=cfg.workers, threads_per_process=threads, **size,
+                  repeats=cfg.repeats, ceiling=peaks, flops_per_image=flops, ray_cluster_start_s=cluster_s,
+                  runs={}, failed_passes={})
+    devices = cfg.workers if cuda else 1  # on CPU the measured peak is already the whole machine's
+    passes: dict[str, list] = {}
+    for rep in range(cfg.repeats):
+        for loop in LOOPS:  # interleaved, so that a change of machine load hits both launchers alike
+            spec = RunSpec(loop=loop, model=size["model"], stem=size["stem"], global_batch=size["global_batch"],
+                           steps=size["steps"], warmup=size["warmup"], threads=threads, cuda=cuda)
+            for launcher in LAUNCHERS:
+                key = f"{launcher}_{loop}"
+                print(f"vs-ddp: {launcher} with {cfg.workers} process(es), {loop} loop (pass {rep + 1}/"
+                      f"{cfg.repeats}) ...", flush=True)
+                try:
+                    run = (launch_torchrun(spec, cfg.workers, work, cfg.run_timeout_s) if launcher == "torchrun"
+                           else launch_ray(spec, cfg.workers, work))
+                except Exception as e:  # keep the other runs' figures; the report says what failed
+                    report["failed_passes"][f"{key}_pass{rep + 1}"] = f"{type(e).__name__}: {e}"[:2000]
+                    print(f"vs-ddp: {key} failed: {e}", file=sys.stderr, flush=True)
+                    continue
+                peak = peaks.get(run["precision"], peaks["fp32"])
+                run.update(flop_share(run["images_per_s"], flops["train_step"], peak, devices), passed=rep + 1)
+                passes.setdefault(key, []).append(run)
+    # each configuration's pass under the cleanest conditions: least CPU used outside its processes
+    report["runs"] = {key: min(runs, key=lambda r: r["other_cpu_share"] if r["other_cpu_share"] is not None
+                               else float("inf")) for key, runs in passes.items()}
+    report["passes"] = passes
+    report["errors"] = {key: next(v for k, v in report["failed_passes"].items() if k.startswith(key + "_pass"))
+                        for key in (f"{lr}_{lp}" for lp in LOOPS for lr in LAUNCHERS) if key not in passes}
+    report["load_avg"] = dict(before=list(load_before), after=list(os.getloadavg()))
+    report["ratios"] = ratios(report["runs"])
+    return report
+
+
+def _ratio(a: Optional[dict], b: Optional[dict], key: str = "images_per_s") -> Optional[float]:
+    return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
+
+
+def ratios(runs: dict) -> dict:
+    return dict(ray_vs_torchrun={loop: _ratio(runs.get(f"ray_{loop}"), runs.get(f"torchrun_{loop}"))
+                                 for loop in LOOPS},
+                ours_vs_baseline={launcher: _ratio(runs.get(f"{launcher}_ours"), runs.get(f"{launcher}_baseline"))
+                              for launcher in LAUNCHERS})
+
+
+def format_vs_ddp(r: dict) -> str:
+    load = r["load_avg"]
+    lines = [f"bench vs-ddp {r['date']} on {r['device']} (torch {r['torch']}): {r['workers']} process(es) x "
+             f"{r['threads_per_process']} thread(s), {r['model']}/{r['stem']} stem, global batch "
+             f"{r['global_batch']}, {r['steps']} timed steps after {r['warmup']}, best of {r['repeats']} "
+             f"pass(es) by other CPU; load average "
+             f"{load['before'][0]:.2f} -> {load['after'][0]:.2f}",
+             format_peaks(r["ceiling"]),
+             f"model: {r['flops_per_image']['train_step'] / 1e9:.3f} GFLOP per image per training step "
+             f"({r['flops_per_image']['forward'] / 1e9:.3f} forward); Ray cluster start "
+             f"{r['ray_cluster_start_s']:.1f} s (before the runs, not in them)",
+             f"{'launcher':<10}{'loop':<6}{'prec':>6}{'img/s':>10}{'step ms':>9}{'launch->1st step s':>20}"
+             f"{'peak host GiB/proc':>20}{'peak GPU GiB/proc':>19}{'GFLOP/s':>10}{'of peak':>9}"
+             f"{'other CPU':>10}"]
+    for run in r["runs"].values():
+        lines.append(f"{run['launcher']:<10}{run['loop']:<6}{run['precision']:>6}{run['images_per_s']:>10.1f}"
+                     f"{_f(run['step_ms_median'], '.1f'):>9}{run['launch_to_first_step_s']:>20.1f}"
+                     f"{run['peak_host_mem_gib']:>20.2f}{_f(run['peak_gpu_mem_gib'], '.2f'):>19}"
+                     f"{_f(run['achieved_flops'], ',.1f', 1e-9):>10}{_f(run['flop_share'], '.1%'):>9}"
+                     f"{_f(run['other_cpu_share'], '.0%'):>10}")
+    lines.append("other CPU: share of the machine busy outside the training processes during the timed steps "
+                 "(the launcher's own processes, plus anyone else's jobs)")
+    for key, err in r["errors"].items():
+        lines.append(f"{key}: FAILED ({err.splitlines()[0][:150]})")
+    rt = r["ratios"]
+    lines.append("ray/torchrun (same loop): " + ", ".join(
+        f"{loop} loop {_f(v, '.1%')}" for loop, v in rt["ray_vs_torchrun"].items())
+        + "   (target: within 3%)")
+    lines.append("ours/the baseline's loop: " + ", ".join(
+        f"{launcher} {_f(v, '.2f')}x" for launcher, v in rt["ours_vs_baseline"].items()) + "   (target: >= 1)")
+    return "\n".join(lines)
+
+
+def main(cfg: VsDdpConfig) -> dict:
+    report = measure_vs_ddp(cfg)
+    print(format_vs_ddp(report))
+    return report

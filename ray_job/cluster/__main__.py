@@ -1,0 +1,164 @@
+"""`python -m ray_job.cluster COMMAND`: the cluster facts for bash (slurm_ray_start.sh) and YAML
+(cluster.yaml), so that neither restates them.
+
+    ports --base B [--head] [--size N]         `ray start` port flags of a node's block, one a line
+    env                                         Ray's environment defaults, as `export K=V` lines
+    token PATH                                  a fresh auth token in a new 0600 file
+    nodes NODELIST [--head-ip IP]               "NAME IP" per SLURM node, the head first
+    status HOST:PORT                            "<GPUs> <alive nodes...>", or "down"
+    wait HOST:PORT --nodes N.. --gpus G --timeout S --log-dir D [--step NODE=PID ...]
+                                                until those nodes are up (exit 4 and why, if not)
+    head-block --job-id J --range LO HI          "BASE GCS_PORT DASHBOARD_PORT" of a free block for the head
+    exit-action RC|none STOP_REQUESTED          "requeue STATUS_IF_REFUSED WHY" or "exit RC" (core/exits.py)
+    step --tmp D --block B|probe --job-id J --node-index I --range LO HI [--head] -- RAY_START_ARGS...
+                                                a SLURM step's Ray node (node.py)
+    start --state-dir D --temp-dir T --base B [--head-ip IP] [-- RAY_START_ARGS...]
+                                                a cluster.yaml node, detached (node.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..core.exits import ExitCode, slurm_action
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ray_job.cluster", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("ports")
+    c.add_argument("--base", type=int, required=True)
+    c.add_argument("--head", action="store_true")
+    c.add_argument("--size", type=int, default=200)
+    sub.add_parser("env")
+    c = sub.add_parser("token")
+    c.add_argument("path")
+    c = sub.add_parser("nodes")
+    c.add_argument("nodelist")
+    c.add_argument("--head-ip", default="")
+    c = sub.add_parser("status")
+    c.add_argument("address")
+    c = sub.add_parser("wait")
+    c.add_argument("address")
+    c.add_argument("--nodes", nargs="+", required=True)
+    c.add_argument("--gpus", type=int, default=0)
+    c.add_argument("--timeout", type=float, required=True)
+    c.add_argument("--log-dir", required=True)
+    c.add_argument("--step", action="append", default=[], help="NODE=PID of its `ray start` step")
+    c = sub.add_parser("head-block")
+    c.add_argument("--job-id", type=int, required=True)
+    c.add_argument("--range", type=int, nargs=2, required=True)
+    c.add_argument("--size", type=int, default=200)
+    c = sub.add_parser("exit-action")
+    c.add_argument("rc")
+    c.add_argument("stop_requested", type=int)
+    c = sub.add_parser("step")
+    c.add_argument("--tmp", required=True)
+    c.add_argument("--block", required=True)
+    c.add_argument("--job-id", type=int, default=0)
+    c.add_argument("--node-index", type=int, default=0)
+    c.add_argument("--range", type=int, nargs=2, required=True)
+    c.add_argument("--size", type=int, default=200)
+    c.add_argument("--head", action="store_true")
+    c.add_argument("args", nargs=argparse.REMAINDER)
+    c = sub.add_parser("start")
+    c.add_argument("--state-dir", required=True)
+    c.add_argument("--temp-dir", required=True)
+    c.add_argument("--base", type=int, required=True)
+    c.add_argument("--head-ip", default=None, help="join the head at this address (a worker); default: be the head")
+    c.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def slot_of(job_id: int, node_index: int) -> int:
+    from .ports import slot
+
+    return slot(job_id, node_index)
+
+
+def _rest(args: list[str]) -> list[str]:
+    return args[1:] if args[:1] == ["--"] else args
+
+
+def main(argv: list[str]) -> int:
+    ns = _parser().parse_args(argv)
+    if ns.command == "ports":
+        from .ports import ray_start_flags
+
+        print("\n".join(ray_start_flags(ns.base, ns.head, ns.size)))
+    elif ns.command == "env":
+        import os
+        import shlex
+
+        from .rayenv import defaults
+
+        print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in defaults(os.environ).items()))
+    elif ns.command == "token":
+        from .rayenv import write_token
+
+        write_token(ns.path)
+    elif ns.command == "nodes":
+        from .slurm import NodeError, node_addresses, node_names
+
+        try:
+            names = node_names(ns.nodelist)
+            print("\n".join(f"{n} {ip}" for n, ip in zip(names, node_addresses(names, ns.head_ip))))
+        except NodeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return ExitCode.CLUSTER_DOWN
+    elif ns.command == "status":
+        from .readiness import cluster_status
+
+        print(cluster_status(ns.address).line())
+    elif ns.command == "wait":
+        return _wait(ns)
+    elif ns.command == "head-block":
+        from .ports import dashboard_port, free_block, gcs_port, slot
+
+        try:
+            base = free_block(ns.size, *ns.range, slot=slot(ns.job_id, 0))
+        except (ValueError, RuntimeError) as e:
+            print(f"error: no free ports for the head: {e}; change RJ_PORT_BASE / RJ_PORT_MAX", file=sys.stderr)
+            return ExitCode.CLUSTER_DOWN
+        print(base, gcs_port(base), dashboard_port(base))
+    elif ns.command == "exit-action":
+        action, rc, why = slurm_action(None if ns.rc == "none" else int(ns.rc), bool(ns.stop_requested))
+        print(action, rc, why)
+    elif ns.command == "step":
+        from .node import run_step
+
+        return run_step(ns.tmp, ns.block, ns.head, _rest(ns.args), tuple(ns.range), ns.size,
+                        slot=slot_of(ns.job_id, ns.node_index))
+    elif ns.command == "start":
+        from .node import start_detached
+
+        return start_detached(ns.state_dir, ns.temp_dir, ns.base, ns.head_ip, _rest(ns.args))
+    return 0
+
+
+def _wait(ns: argparse.Namespace) -> int:
+    import time
+
+    from .readiness import NotReady, wait_for_nodes
+
+    steps = {}
+    for item in ns.step:
+        node, _, pid = item.rpartition("=")
+        steps[node] = int(pid)
+
+    def say(line: str) -> None:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [slurm_ray_start] {line}", file=sys.stderr, flush=True)
+
+    try:
+        wait_for_nodes(ns.address, ns.nodes, ns.gpus, ns.timeout, steps, ns.log_dir, say)
+    except NotReady as e:
+        first, _, tails = str(e).partition("\n")
+        print(tails, end="", file=sys.stderr)
+        say(f"ERROR: {first}")
+        return ExitCode.CLUSTER_DOWN
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,46 @@
+"""Ray's environment for every process of a job we start (SLURM, cluster.yaml, local clusters,
+the tests' heads), and the job's auth token.
+
+Token authentication: Ray 2.60 turns it on only when a token already exists, so every cluster we
+start sets RAY_AUTH_MODE=token explicitly, with a fresh token per cluster in a file of mode 0600
+(RAY_AUTH_TOKEN_PATH); ~/.ray/auth_token plays no part.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+
+# No usage-stats upload; no 30 s drain on shutdown (nothing runs on a node once the driver is gone);
+# no PreemptionWatcher actor (it only logs a harmless error line where nodes are not drained).
+DEFAULTS = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+}
+# Variables that would point a client at another cluster or another token.
+FOREIGN = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def defaults(env: Mapping[str, str]) -> dict[str, str]:
+    """The defaults that `env` does not set already (a user's own value wins)."""
+    return {k: v for k, v in DEFAULTS.items() if k not in env}
+
+
+def apply_defaults(env=None) -> None:
+    env = os.environ if env is None else env
+    for k, v in defaults(env).items():
+        env[k] = v
+
+
+def auth_env(token_path: str) -> dict[str, str]:
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+
+
+def write_token(path: str) -> str:
+    """A fresh token in a new file only its owner can read; refuses to overwrite one."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path

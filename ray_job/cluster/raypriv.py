@@ -1,0 +1,71 @@
+"""The private Ray APIs this project uses, behind one door.
+
+Each is named in SYMBOLS with what it is for. They were written against Ray WRITTEN_FOR; another
+Ray logs one warning at first use, and a symbol that moved raises PrivateAPIMoved naming it
+(tests/test_raypriv.py resolves every one, so an upgrade fails there, loudly, in one place).
+Public replacements are used wherever Ray 2.60 has one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+WRITTEN_FOR = "2.60."
+SYMBOLS = {
+    # the readiness poll: one light GCS call per second (ray.nodes() needs a driver connected per
+    # poll; ray.util.state and `ray list nodes` need the dashboard, which comes up after the GCS)
+    "gcs_client": ("ray._raylet", "GcsClient"),
+    "gcs_node_info": ("ray.core.generated.gcs_pb2", "GcsNodeInfo"),
+    # the driver tells "the workers did not fit for --resource-wait-s" from other controller errors
+    "worker_group_startup_timeout": ("ray.train.v2._internal.exceptions", "WorkerGroupStartupTimeoutError"),
+    # the module whose logger prints every report's metrics dict from every rank (quieted)
+    "train_context_module": ("ray.train.v2._internal.execution.context", None),
+    # tests only: Ray's own validation of cluster.yaml, as `ray up` runs it
+    "cluster_config_prepare": ("ray.autoscaler._private.util", "prepare_config"),
+    "cluster_config_validate": ("ray.autoscaler._private.util", "validate_config"),
+}
+
+log = logging.getLogger("ray_job.raypriv")
+_warned = False
+
+
+class PrivateAPIMoved(ImportError):
+    """A private Ray symbol this project uses is not where it was in Ray WRITTEN_FOR."""
+
+
+def get(key: str) -> Any:
+    """The symbol (or module, when its name is None) registered under `key`."""
+    global _warned
+    module_name, name = SYMBOLS[key]
+    import ray
+
+    if not _warned and not ray.__version__.startswith(WRITTEN_FOR):
+        log.warning("ray %s: ray_job's private Ray APIs were written for Ray %sx; see "
+                    "ray_job/cluster/raypriv.py if something below fails", ray.__version__, WRITTEN_FOR)
+        _warned = True
+    try:
+        module = importlib.import_module(module_name)
+        return module if name is None else getattr(module, name)
+    except (ImportError, AttributeError) as e:
+        where = module_name + ("" if name is None else f".{name}")
+        raise PrivateAPIMoved(f"ray {ray.__version__} has no {where} ({key}: written for Ray "
+                              f"{WRITTEN_FOR}x): {e}") from None
+
+
+def alive_nodes(address: str, timeout_s: float) -> list[tuple[str, float]]:
+    """(node name, GPUs) of every alive node of the cluster whose GCS is at HOST:PORT."""
+    client = get("gcs_client")(address=address)
+    alive = get("gcs_node_info").ALIVE
+    infos = client.get_all_node_info(timeout=timeout_s).values()
+    return [(i.node_name, i.resources_total.get("GPU", 0)) for i in infos if i.state == alive]
+
+
+def is_worker_group_startup_timeout(error: BaseException) -> bool:
+    return isinstance(error, get("worker_group_startup_timeout"))
+
+
+def train_context_logger_name() -> str:
+    """Ray names that module's logger by its file path."""
+    return get("train_context_module").__file__

@@ -1,0 +1,260 @@
+"""The one typed configuration of a training run.
+
+Every `train` flag is a field of `TrainConfig` (same name, `-` for `_`); the CLI is generated from the
+fields, their defaults and their `help` metadata, so the two cannot drift apart. The config is frozen,
+printed once at start, saved beside the results, and sent to the workers as a dict.
+
+A field marked `affects_result=False` changes nothing a run computes (where it waits, how it is
+watched, how it survives faults): the default run name and the scaling sweep's reuse of finished
+points both leave exactly those fields out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..core.errors import UsageError
+from ..core.flags import flag_name, option
+from ..core.paths import join_path, resolve_path
+
+MODELS = ("resnet18", "resnet34", "resnet50")
+STEMS = ("cifar", "imagenet")
+DATASETS = ("cifar10", "imagefolder", "prepared", "synthetic")
+LOADERS = ("auto", "fast", "torchvision")
+PRECISIONS = ("auto", "bf16", "fp32")
+SCHEDULES = ("onecycle", "cosine", "constant")
+BATCH_MODES = ("global", "per-worker")
+GRAD_COMPRESSIONS = ("none", "bf16")
+TRISTATE = ("auto", "on", "off")
+PROGRESS = ("auto", "bar", "lines")
+# Fields added after runs were named by default_name(), with their defaults: they count only when set.
+ADDED_FIELDS = {"image_size": 32}
+# Fields that name files or folders: resolved once, on the driver (see `resolve_path`).
+PATH_FIELDS = ("data_dir", "storage_path", "resume_from")
+# What each --data reads of the data fields (the rest does not change the run).
+UNREAD_BY_DATA = {"synthetic": ("data_dir", "download"),
+                  "cifar10": ("synthetic_train_size", "synthetic_test_size"),
+                  "imagefolder": ("synthetic_train_size", "synthetic_test_size", "download"),
+                  "prepared": ("synthetic_train_size", "synthetic_test_size", "download")}
+
+
+def _opt(default: Any, help: str, group: str, **kw: Any) -> Any:
+    return option(default, help, group=group, **kw)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides what a run computes and where it goes."""
+
+    # --- cluster ---
+    address: Optional[str] = _opt(
+        None, "Ray cluster to join (HOST:PORT or 'auto'); default: $RAY_ADDRESS, else start a local Ray "
+        "cluster in this process", "cluster", affects_result=False)
+    num_workers: int = _opt(0, "training workers (one DDP rank each); 0 = one per GPU in the cluster, or 1 "
+                            "without GPUs", "cluster")
+    min_workers: int = _opt(
+        0, "elastic: when nodes are lost, go on with as few as N workers, and grow back to --num-workers when "
+        "capacity returns (each resize restarts the group from the latest checkpoint; the batch rule of "
+        "--batch-mode applies to the new world size; below N workers for longer than --resource-wait-s the "
+        "driver exits 5); 0 = a fixed size", "cluster", affects_result=False)
+    use_gpu: Optional[bool] = _opt(None, "train on GPUs (default: yes when the cluster has GPUs)", "cluster",
+                                   bool_flag=True, negative_alias="--no-gpu")
+    cpus_per_worker: float = _opt(1.0, "CPUs reserved per worker (also its torch thread count)", "cluster")
+    gpus_per_worker: float = _opt(1.0, "GPUs per worker when --use-gpu (0.5 = two workers share a GPU; they "
+                                  "then talk over gloo, since NCCL refuses two ranks on one GPU)", "cluster")
+    # --- schedule and optimisation ---
+    recipe: str = _opt("default", "preset of defaults: 'fast' = CIFAR stem, label smoothing 0.1, one-cycle "
+                       "LR, no weight decay on norms/biases, global batch 1024 (flags you give still win)",
+                       "optimisation", choices=("default", "fast"))
+    epochs: int = _opt(30, "epochs to train (more epochs on an existing run extend it)", "optimisation")
+    batch_size: int = _opt(128, "batch size; its meaning is set by --batch-mode", "optimisation")
+    batch_mode: str = _opt("global", "'global': --batch-size is split across workers (the raw-DDP baseline's "
+                           "fixed 128); 'per-worker': each worker takes --batch-size", "optimisation",
+                           choices=BATCH_MODES)
+    lr: float = _opt(0.1, "peak learning rate for a global batch of --lr-ref-batch; scaled linearly with the "
+                     "real global batch", "optimisation")
+    lr_ref_batch: int = _opt(128, "global batch at which --lr applies unscaled", "optimisation")
+    warmup_epochs: float = _opt(1.0, "linear LR warmup length in epochs", "optimisation")
+    schedule: str = _opt("cosine", "LR after warmup: cosine decay to 0, onecycle (linear up, linear down), "
+                         "or constant", "optimisation", choices=SCHEDULES)
+    momentum: float = _opt(0.9, "SGD momentum (Nesterov)", "optimisation")
+    weight_decay: float = _opt(5e-4, "weight decay", "optimisation")
+    decay_norm_bias: bool = _opt(True, "apply weight decay to norm weights and biases too "
+                                 "(--no-decay-norm-bias exempts them)", "optimisation", bool_flag=True)
+    label_smoothing: float = _opt(0.0, "label smoothing of the cross-entropy loss", "optimisation")
+    steps_per_epoch: int = _opt(0, "cap on optimizer steps per epoch (0 = the whole epoch); for benchmarks "
+                                "and scaling sweeps", "optimisation")
+    seed: int = _opt(0, "random seed (model init, synthetic data, shuffling)", "optimisation")
+    # --- model ---
+    model: str = _opt("resnet50", "torchvision ResNet depth (10 outputs for CIFAR-10)", "model", choices=MODELS)
+    stem: str = _opt("cifar", "'cifar': 3x3 stride-1 first conv, no max-pool: full 32x32 resolution, ~16x "
+                     "the FLOPs of 'imagenet' (ResNet-50: 2.6 vs 0.17 GFLOPs per image forward), reaches "
+                     "~95%% on CIFAR-10; 'imagenet': 7x7 stride-2 conv + max-pool: 8x downsampled at once, "
+                     "very fast, tops out near 85%%", "model", choices=STEMS)
+    # --- data ---
+    data: str = _opt("cifar10", "cifar10 (torchvision's cifar-10-batches-py under --data-dir, downloaded if "
+                     "missing), imagefolder (DIR/train/<class>/*, DIR/test/<class>/*; prepared once into "
+                     "DIR/.ray_job_prepared), prepared (the output of `prepare-data --from ...`), or "
+                     "synthetic (generated in memory, learnable, no files)", "data", choices=DATASETS)
+    data_dir: str = _opt("./data", "dataset folder (must be readable on every node); for --data prepared "
+                         "also s3://BUCKET/PREFIX, staged once per node into $RJ_DATA_CACHE (default "
+                         "~/.cache/ray_job/data)", "data")
+    image_size: int = _opt(32, "side of the square images the model sees (--data prepared / imagefolder): "
+                           "images of this size stored raw take the fast path (pad-4 crop + flip on the "
+                           "device); others are resized in the DataLoader workers (train: random resized "
+                           "crop + flip; test: resize + center crop)", "data")
+    download: bool = _opt(True, "download CIFAR-10 when missing (once per node, under a file lock); "
+                          "--no-download on nodes without internet fails at once instead", "data",
+                          bool_flag=True)
+    synthetic_train_size: int = _opt(1024, "images in the synthetic train split", "data")
+    synthetic_test_size: int = _opt(256, "images in the synthetic test split", "data")
+    loader: str = _opt("auto", "'fast': dataset held once as uint8, one indexing op per batch, crop/flip/"
+                       "normalise on the device; 'torchvision': PIL transforms per sample (the raw-DDP "
+                       "baseline's pipeline); auto = fast", "data", choices=LOADERS)
+    loader_workers: int = _opt(-1, "DataLoader worker processes per training worker; -1 = 0 for the fast "
+                               "loader, 2 where images are decoded or resized on the CPU (torchvision, "
+                               "prepared data not at --image-size)", "data")
+    # --- speed ---
+    precision: str = _opt("auto", "bf16 autocast with fp32 master weights, or fp32; auto = bf16 on GPU, fp32 "
+                          "on CPU", "speed", choices=PRECISIONS)
+    channels_last: str = _opt("auto", "NHWC memory format; auto = on for GPU", "speed", choices=TRISTATE)
+    compile: bool = _opt(False, "torch.compile the model (slow first epoch, faster steps)", "speed",
+                         bool_flag=True)
+    ddp_bucket_mb: int = _opt(25, "DDP gradient bucket size in MiB", "speed")
+    grad_compression: str = _opt("none", "DDP communication hook: bf16 halves all-reduce bytes (multi-node)",
+                                 "speed", choices=GRAD_COMPRESSIONS)
+    sync_timing: bool = _opt(False, "synchronise the GPU around each step phase so the data / forward-"
+                             "backward / optimizer split is exact (a little slower; `scale` turns it on)",
+                             "speed", bool_flag=True)
+    # --- results, checkpoints, fault tolerance ---
+    storage_path: str = _opt("./results", "where runs are written: a folder (on a shared file system for "
+                             "multi-node clusters), or object storage: s3://BUCKET/PREFIX (AWS or S3-"
+                             "compatible; settings from AWS_ENDPOINT_URL_S3, AWS_REGION, AWS_ACCESS_KEY_ID/"
+                             "AWS_SECRET_ACCESS_KEY or AWS_PROFILE) or another pyarrow.fs URI", "results")
+    name: str = _opt("", "run name; a run with an existing name continues from its latest checkpoint "
+                     "(default: ray_job_<data>_<model>_<hash of what the run computes>, so the same command "
+                     "continues the same run)", "results")
+    resume_from: str = _opt("", "start a new run from this checkpoint (directory or checkpoint.pt)", "results")
+    max_failures: int = _opt(2, "worker-group restarts (from the last checkpoint) before giving up", "results",
+                             affects_result=False)
+    resource_wait_s: float = _opt(600.0, "how long to wait for the cluster to hold the workers (at start, "
+                                  "after a lost node, or below --min-workers); then the driver exits 5, saving "
+                                  "nothing new (slurm_ray_start.sh requeues the job)", "results",
+                                  affects_result=False)
+    checkpoint_every_min: float = _opt(0.0, "also checkpoint every M minutes, at a step every rank agrees on, "
+                                       "so a long epoch loses at most M minutes (0 = at epoch ends only)",
+                                       "results", affects_result=False)
+    collective_timeout_s: float = _opt(600.0, "a collective (DDP's all-reduce) stuck this long fails the step "
+                                       "instead of hanging; the group then restarts from the latest "
+                                       "checkpoint", "results", affects_result=False)
+    keep_checkpoints: int = _opt(2, "checkpoints to keep, best by test accuracy", "results",
+                                 affects_result=False)
+    retry_storage_s: float = _opt(120.0, "seconds to keep retrying the last checkpoint (end of the run or a "
+                                  "stop request) and the run files while the storage fails; a checkpoint in "
+                                  "between that cannot be saved is skipped and training goes on", "results",
+                                  affects_result=False)
+    log_every: int = _opt(10, "rank 0 prints a progress line every N steps, and at least every 10 s (0 = "
+                          "epoch lines only)", "results", affects_result=False)
+    progress: str = _opt("auto", "progress display: a live bar (on a terminal), or plain lines (SLURM logs, "
+                         "`ray job logs`); auto = bar when the driver's stdout is a terminal", "results",
+                         choices=PROGRESS, affects_result=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise UsageError(f"--{flag_name(f.name)} {value!r} is not one of: {', '.join(choices)}")
+        positive = ("epochs", "batch_size", "lr_ref_batch", "synthetic_train_size",
+                    "synthetic_test_size", "ddp_bucket_mb", "keep_checkpoints")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{flag_name(name)} must be a positive number, got {getattr(self, name)}")
+        non_negative = ("num_workers", "steps_per_epoch", "max_failures", "log_every", "lr",
+                        "momentum", "weight_decay", "label_smoothing", "warmup_epochs",
+                        "retry_storage_s", "min_workers", "checkpoint_every_min")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{flag_name(name)} must not be negative, got {getattr(self, name)}")
+        if self.cpus_per_worker <= 0 or self.gpus_per_worker <= 0:
+            raise UsageError("--cpus-per-worker and --gpus-per-worker must be positive")
+        if self.label_smoothing >= 1:
+            raise UsageError("--label-smoothing must be below 1")
+        if self.resource_wait_s <= 0 or self.collective_timeout_s <= 0:
+            raise UsageError("--resource-wait-s and --collective-timeout-s must be positive")
+        if self.min_workers and self.num_workers and self.min_workers > self.num_workers:
+            raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers "
+                             f"{self.num_workers}; give --min-workers <= --num-workers")
+        if self.image_size < 8:
+            raise UsageError(f"--image-size must be at least 8, got {self.image_size}")
+        if self.image_size != 32 and self.data in ("cifar10", "synthetic"):
+            raise UsageError(f"--image-size {self.image_size} needs --data prepared or imagefolder "
+                             f"(--data {self.data} is 32x32 in memory); prepare it with `python -m "
+                             f"ray_job prepare-data --from cifar10 ...` to resize it")
+        if self.loader_workers < -1:
+            raise UsageError("--loader-workers must be -1 (auto) or a count >= 0")
+
+    # Derived values: computed, never stored, so a dict round-trip cannot make them stale.
+    def per_worker_batch(self, world_size: int) -> int:
+        if self.batch_mode == "per-worker":
+            return self.batch_size
+        if self.batch_size < world_size:
+            raise UsageError(f"--batch-size {self.batch_size} (global) is smaller than the "
+                             f"{world_size} workers; raise it or use --batch-mode per-worker")
+        return self.batch_size // world_size
+
+    def global_batch(self, world_size: int) -> int:
+        return self.per_worker_batch(world_size) * world_size
+
+    def scaled_lr(self, world_size: int) -> float:
+        return self.lr * self.global_batch(world_size) / self.lr_ref_batch
+
+    def run_dir(self) -> str:
+        """<storage-path>/<name>; absolute once `with_resolved_paths` has run on the driver."""
+        return join_path(self.storage_path, self.name)
+
+    def with_resolved_paths(self, cwd: Optional[str] = None) -> TrainConfig:
+        """The same config with every path field made absolute against the user's directory.
+
+        Ray workers run in their own working directory, so a relative path means something else
+        there: the driver calls this once, before the config leaves it (and before config.json).
+        """
+        return dataclasses.replace(self, **{
+            name: resolve_path(getattr(self, name), cwd) for name in PATH_FIELDS})
+
+    def result_fields(self) -> dict:
+        """The fields that change what this run computes (`affects_result`), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata.get("affects_result", True)}
+
+    def default_name(self) -> str:
+        """ray_job_<data>_<model>_<hash of what the run computes>: the same command names the same
+        run in any folder, so running it again continues it (or says it is finished). Besides the
+        fields that change no result, the hash leaves out what this --data does not read, where the
+        run is written and under which name, and how long it goes on (--epochs: more of them extend
+        the run)."""
+        unread = {"name", "storage_path", "epochs", *UNREAD_BY_DATA[self.data]}
+        what = {k: v for k, v in sorted(self.result_fields().items()) if k not in unread}
+        # fields added later count only when set, so the names of existing runs stay the same
+        what = {k: v for k, v in what.items() if not (k in ADDED_FIELDS and v == ADDED_FIELDS[k])}
+        digest = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
+        return f"ray_job_{self.data}_{self.model}_{digest}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False)
+
+
+# Presets change defaults only; flags given on the command line are applied on top.
+RECIPES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "fast": dict(stem="cifar", label_smoothing=0.1, schedule="onecycle", warmup_epochs=2.0,
+                 decay_norm_bias=False, batch_size=1024, lr=0.2, lr_ref_batch=256,
+                 weight_decay=5e-4, epochs=24),
+}

@@ -1,0 +1,45 @@
+"""Exit codes of every command, and what each means for a SLURM job: the one table that the
+driver returns, the SLURM script acts on (`python -m ray_job.cluster exit-action N`) and the docs
+list."""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+
+class ExitCode(enum.IntEnum):
+    DONE = 0             # finished, or already finished
+    FAILED = 1           # training failed (worker errors past --max-failures, storage failed at the end)
+    BAD_INPUT = 2        # one line says what to fix; nothing was overwritten
+    STOPPED = 3          # stopped on request (SIGUSR1, .preempt) with a checkpoint
+    CLUSTER_DOWN = 4     # slurm_ray_start.sh: the Ray cluster did not come up
+    NO_RESOURCES = 5     # the workers did not fit for --resource-wait-s; nothing new saved
+    INTERRUPTED = 130    # Ctrl-C (SIGINT) with a checkpoint
+    TERMINATED = 143     # SIGTERM with a checkpoint
+
+
+MEANING = {
+    ExitCode.DONE: "done (or already done)",
+    ExitCode.FAILED: "training failed",
+    ExitCode.BAD_INPUT: "bad input (one line says what to fix; nothing overwritten)",
+    ExitCode.STOPPED: "stopped on request with a checkpoint",
+    ExitCode.CLUSTER_DOWN: "the Ray cluster did not come up",
+    ExitCode.NO_RESOURCES: "the cluster could not hold the workers for --resource-wait-s",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C) with a checkpoint",
+    ExitCode.TERMINATED: "terminated (SIGTERM) with a checkpoint",
+}
+
+
+def slurm_action(rc: Optional[int], stop_requested: bool) -> tuple[str, int, str]:
+    """What slurm_ray_start.sh does when the driver exits with `rc` (None: the job was asked to
+    stop before the driver started): ("requeue", the status to exit with if Slurm refuses the
+    requeue, why) -- the job comes back and resumes from its latest checkpoint -- or ("exit", rc,
+    ""). After a stop request (USR1: preemption, the time limit) every status but done and bad
+    input requeues; a lost node (NO_RESOURCES) requeues so that Slurm gives the job healthy nodes."""
+    if stop_requested and rc not in (ExitCode.DONE, ExitCode.BAD_INPUT):
+        return "requeue", int(ExitCode.STOPPED), "stopped for the time limit or a preemption"
+    if rc == ExitCode.NO_RESOURCES:
+        return ("requeue", int(ExitCode.NO_RESOURCES),
+                "the cluster lost the resources for the workers; requeueing, so that Slurm gives the job healthy nodes")
+    return "exit", int(rc or 0), ""

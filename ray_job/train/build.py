@@ -1,0 +1,236 @@
+"""What one worker trains with, built from the config: loaders, model, the `Run` record, and the
+run log lines (topology, the announcement, each epoch's global metrics). Ray appears only as
+prepare_model, prepare_data_loader and get_context."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from .. import storage
+from ..cluster import raypriv
+from ..config import Speed, TrainConfig
+from ..data.augment import return_large_allocations
+from ..data.datasets import Datasets
+from ..model.resnet import build_model, gradient_bytes, unwrap
+from .checkpointer import Resume
+from .engine import EpochStats, global_sums, peak_rss_gib
+from .metrics import EpochMetrics
+from .runfiles import TOPOLOGY_JSON, Event
+from .runlog import RunLog
+
+log = logging.getLogger("ray_job")
+EVAL_BATCH = 1024
+
+
+def setup_logging(rank: int) -> None:
+    """One timestamped format with the rank; rank 0 logs at INFO, the others only per-worker lines."""
+    root = logging.getLogger("ray_job")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)
+        root.propagate = False
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    # Ray logs every report's full metrics dict from every rank; our epoch line says it once.
+    try:
+        logging.getLogger(raypriv.train_context_logger_name()).setLevel(logging.WARNING)
+    except raypriv.PrivateAPIMoved as e:  # only noise is at stake
+        log.warning("%s", e)
+
+
+def run_store(cfg: TrainConfig) -> storage.Location:
+    """The run folder on the filesystem Ray was given (RunConfig.storage_filesystem), without the
+    retries wrapped around it for Ray's own files: rank 0's files keep their own policy."""
+    ctx = ray.train.get_context().get_storage()
+    return storage.Location(storage.unwrap(ctx.storage_filesystem), ctx.experiment_fs_path, cfg.run_dir())
+
+
+def make_loaders(cfg: TrainConfig, data: Datasets, rank: int, world: int, use_cuda: bool):
+    # per-sample CPU work (decoding, resizing, PIL transforms) runs in DataLoader worker processes
+    workers = cfg.loader_workers if cfg.loader_workers >= 0 else (2 if data.cpu_work else 0)
+    common = dict(num_workers=workers, pin_memory=use_cuda, persistent_workers=workers > 0)
+    if workers:
+        return_large_allocations()
+    train_ds, test_ds = data.train, data.test
+    train = DataLoader(train_ds, batch_size=cfg.per_worker_batch(world), shuffle=True,
+                       drop_last=True, collate_fn=train_ds.collate_fn, **common)
+    # Test shards without DistributedSampler's padding, so every image is counted exactly once.
+    test = DataLoader(test_ds, batch_size=EVAL_BATCH, sampler=range(rank, len(test_ds), world),
+                      collate_fn=test_ds.collate_fn, **common)
+    train = ray.train.torch.prepare_data_loader(train)
+    test = ray.train.torch.prepare_data_loader(test, add_dist_sampler=False)
+    return train, test
+
+
+def make_model(cfg: TrainConfig, num_classes: int, channels_last: bool):
+    model = build_model(cfg.model, cfg.stem, num_classes)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    # Gradients as views into DDP's buckets save a copy per step; compiled backward graphs may
+    # lay gradients out differently from the buckets, which would undo that, so not with --compile.
+    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=dict(
+        gradient_as_bucket_view=not cfg.compile, bucket_cap_mb=cfg.ddp_bucket_mb))
+    if cfg.grad_compression == "bf16" and hasattr(model, "register_comm_hook"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return model
+
+
+def first_error(error: Optional[str], world: int) -> Optional[str]:
+    """The first rank's bad-input error, known to every rank (so all of them stop together)."""
+    if world == 1:
+        return error
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, error)
+    return next((e for e in everyone if e), None)
+
+
+@dataclass
+class Run:
+    """What one worker trains with. `is_rank0` alone decides the side effects (files, logs)."""
+
+    cfg: TrainConfig
+    model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_loader: Any
+    test_loader: Any
+    device: torch.device
+    speed: Speed
+    world: int
+    steps_per_epoch: int
+    device_augment: str      # Datasets.device_augment: what the device does with a batch
+    data_what: str           # the data path, for the run log
+    is_rank0: bool
+    store: storage.Location  # the run folder
+    files: Optional[RunLog]  # rank 0's writer of the run folder; None elsewhere
+
+    def state(self, epoch: int, step: int, metrics: Optional[EpochMetrics]) -> dict:
+        """Keyword arguments of save_checkpoint for this position."""
+        return dict(model=unwrap(self.model), optimizer=self.optimizer,
+                    config=self.cfg.to_dict(), world_size=self.world, epoch=epoch, step=step,
+                    metrics=metrics.to_dict() if metrics else {})
+
+
+def log_topology(run: Run, backend: str) -> None:
+    ctx = ray.train.get_context()
+    me = dict(rank=ctx.get_world_rank(), local_rank=ctx.get_local_rank(), node_rank=ctx.get_node_rank(),
+              hostname=socket.gethostname(), node_ip=ray.util.get_node_ip_address(),
+              node_id=ray.get_runtime_context().get_node_id(),
+              pid=os.getpid(), device=str(run.device))
+    logging.getLogger("ray_job.worker").warning(
+        "worker rank %(rank)d: node %(node_rank)d (%(hostname)s %(node_ip)s) local rank "
+        "%(local_rank)d device %(device)s pid %(pid)d", me)
+    everyone = [me]
+    if run.world > 1:
+        everyone = [None] * run.world
+        dist.all_gather_object(everyone, me)
+    if not run.is_rank0:
+        return
+    nodes = sorted({w["node_id"] for w in everyone})  # Ray nodes, even when they share an IP
+    master = f"{os.environ.get('MASTER_ADDR', everyone[0]['node_ip'])}:{os.environ.get('MASTER_PORT', '?')}"
+    log.info("topology: world size %d on %d node(s), backend %s, master %s", len(everyone),
+             len(nodes), backend, master)
+    for w in everyone:
+        log.info("  rank %(rank)d -> %(hostname)s (%(node_ip)s) local rank %(local_rank)d %(device)s", w)
+    run.files.write_json(TOPOLOGY_JSON, dict(world_size=len(everyone), num_nodes=len(nodes),
+                                             backend=backend, master=master, workers=everyone))
+
+
+def epoch_metrics(run: Run, epoch: int, train: EpochStats, test: EpochStats,
+                  comm_wait: Optional[float]) -> EpochMetrics:
+    """Global metrics of one epoch: counts are summed over all ranks; times are rank 0's."""
+    loss, correct, count, tloss, tcorrect, tcount = global_sums(
+        [train.loss_sum, train.correct, train.count, test.loss_sum, test.correct, test.count],
+        run.device)
+    steady = train.step_times[min(len(train.step_times) - 1, 2):] if train.step_times else []
+    cuda = run.device.type == "cuda"
+    return EpochMetrics(
+        epoch=epoch + 1, epochs=run.cfg.epochs, train_loss=loss / max(count, 1),
+        train_acc=correct / max(count, 1), test_loss=tloss / max(tcount, 1),
+        test_acc=tcorrect / max(tcount, 1), test_images=int(tcount), train_images=int(count),
+        epoch_s=train.wall_s + test.wall_s, train_s=train.wall_s, eval_s=test.wall_s,
+        images_per_s=count / max(train.wall_s, 1e-9), data_s=train.data_s,
+        compute_s=train.wall_s - train.data_s, fwd_bwd_s=train.fwd_bwd_s, optim_s=train.optim_s,
+        steps=train.steps, lr=run.optimizer.param_groups[0]["lr"], world_size=run.world,
+        time=time.time(), peak_host_mem_gib=peak_rss_gib(),
+        grad_bytes=gradient_bytes(unwrap(run.model)),
+        # skip the first steps (allocation, autotuning); the median resists noisy neighbours
+        steady_images_per_s=(run.cfg.global_batch(run.world) / statistics.median(steady)
+                             if steady else None),
+        peak_gpu_mem_gib=torch.cuda.max_memory_allocated(run.device) / 2**30 if cuda else None,
+        comm_wait_s_per_step=comm_wait)
+
+
+def announce(run: Run, resume: Resume) -> None:
+    cfg = run.cfg
+    run.files.keep_epochs_up_to(resume.epoch)
+    if resume.state is not None:
+        run.files.event(Event.RESUMED, epoch=resume.epoch, step=resume.step)
+        before = resume.state.get("world_size")
+        if before and before != run.world:  # an elastic resize, or a rerun with another size
+            cfg = run.cfg
+            run.files.event(Event.WORLD_SIZE_CHANGED, before=before, after=run.world,
+                            batch_mode=cfg.batch_mode, global_batch=cfg.global_batch(run.world),
+                            lr=cfg.scaled_lr(run.world))
+            log.info("world size changed %d -> %d; --batch-mode %s: global batch %d -> %d (%d per "
+                     "worker), peak lr %.4g -> %.4g; epoch %d is redone from its start (the sampler "
+                     "re-shards for %d workers)", before, run.world, cfg.batch_mode,
+                     cfg.global_batch(before), cfg.global_batch(run.world),
+                     cfg.per_worker_batch(run.world), cfg.scaled_lr(before), cfg.scaled_lr(run.world),
+                     resume.epoch + 1, run.world)
+    log.info("training %s/%s stem on %d worker(s): %d steps/epoch, global batch %d (%d per "
+             "worker, --batch-mode %s), peak lr %.4g, %s, data: %s", cfg.model, cfg.stem, run.world,
+             run.steps_per_epoch, cfg.global_batch(run.world), cfg.per_worker_batch(run.world),
+             cfg.batch_mode, cfg.scaled_lr(run.world), "bf16" if run.speed.bf16 else "fp32",
+             run.data_what)
+
+
+def build_run(cfg: TrainConfig, data: Datasets, resume: Resume, rank: int, world: int,
+              store: storage.Location) -> Run:
+    """Loaders, model (placed, wrapped, restored), optimizer and the LR schedule at the resumed
+    position: everything a worker trains with."""
+    from .checkpoint import restore_training_state
+    from ..model.optim import build_optimizer, build_scheduler
+
+    speed = Speed.of(cfg, torch.cuda.is_available())
+    if speed.cuda:
+        torch.backends.cudnn.benchmark = True
+    train_loader, test_loader = make_loaders(cfg, data, rank, world, speed.cuda)
+    model = make_model(cfg, data.num_classes, speed.channels_last)
+    device = next(model.parameters()).device
+    steps = len(train_loader) if not cfg.steps_per_epoch else min(cfg.steps_per_epoch, len(train_loader))
+    optimizer = build_optimizer(unwrap(model), cfg, world, device)
+    if resume.state is not None:  # the schedule is placed by position below, not by its state
+        restore_training_state(resume.state, model=model, optimizer=optimizer)
+    for group in optimizer.param_groups:  # the peak LR of *this* world size, not the checkpoint's
+        group["lr"] = group["initial_lr"] = cfg.scaled_lr(world)
+    scheduler = build_scheduler(optimizer, cfg, steps, start_step=resume.epoch * steps + resume.step)
+    if cfg.compile:
+        model = torch.compile(model)
+    return Run(cfg, model, optimizer, scheduler, train_loader, test_loader, device, speed, world, steps,
+               data.device_augment, data.what, is_rank0=rank == 0, store=store,
+               files=RunLog(store) if rank == 0 else None)
+
+
+def preprocess_for(run: Run):
+    """What a batch goes through on the device: crop/flip/normalise, or normalise only."""
+    from ..data.augment import DeviceAugment
+
+    if run.device_augment != "none":
+        return DeviceAugment(run.device, run.speed.channels_last, crop=run.device_augment == "crop")
+    memory_format = torch.channels_last if run.speed.channels_last else torch.contiguous_format
+    return lambda x, train: x.contiguous(memory_format=memory_format)

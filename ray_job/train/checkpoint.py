@@ -1,0 +1,185 @@
+"""Checkpoint files: one `checkpoint.pt` per Ray checkpoint directory, and a `manifest.json` that
+makes a checkpoint provably whole.
+
+The model is saved unwrapped (no `module.` / `_orig_mod.` prefixes) and everything is loaded onto the
+CPU first, so a checkpoint loads on any world size and any device. Checkpoints are written to a
+local folder, then copied to the run folder (a local folder or an object store) by `upload_checkpoint`.
+
+Whole or not at all: `save_checkpoint` records each file's size and SHA-256 in `manifest.json`;
+`upload_checkpoint` copies the files, checks that the store holds each at its recorded size, and
+copies the manifest last. Every load reads the bytes itself (`read_verified`: never a download
+shared with other processes) and checks them against the manifest before unpickling, naming the
+file that is short, and by how much, or whose checksum differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from typing import Optional
+
+import torch
+
+from .. import storage
+from ..core.errors import UsageError
+from ..core.jsonio import dumps, loads
+from ..storage import Location, StorageError, Where
+
+CHECKPOINT_FILE = "checkpoint.pt"
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that is missing or cannot be read."""
+
+
+def save_checkpoint(directory: str, *, model: torch.nn.Module, optimizer, epoch: int, step: int,
+                    config: dict, metrics: dict, world_size: int = 1) -> str:
+    """Writes the training state; `epoch` counts finished epochs, `step` the steps into the next.
+
+    The LR schedule is not saved: it is a pure function of the position (epoch, step).
+    """
+    os.makedirs(directory, exist_ok=True)
+    state = {
+        "format_version": FORMAT_VERSION,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "world_size": world_size,
+        "config": config,
+        "metrics": metrics,
+    }
+    path = os.path.join(directory, CHECKPOINT_FILE)
+    torch.save(state, path)
+    write_manifest(directory)
+    return path
+
+
+def write_manifest(directory: str) -> dict:
+    """Records the size and SHA-256 of every file of a local checkpoint folder in its manifest."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        if name != MANIFEST_FILE:
+            with open(os.path.join(directory, name), "rb") as f:
+                files[name] = dict(bytes=os.fstat(f.fileno()).st_size,
+                                   sha256=hashlib.file_digest(f, "sha256").hexdigest())
+    manifest = dict(format_version=FORMAT_VERSION, files=files)
+    with open(os.path.join(directory, MANIFEST_FILE), "w") as f:
+        f.write(dumps(manifest, indent=2, sort_keys=True))
+    return manifest
+
+
+def read_manifest(folder: Location) -> Optional[dict]:
+    """A checkpoint folder's manifest; None for a checkpoint written before there were manifests."""
+    try:
+        manifest = loads(folder.join(MANIFEST_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        manifest = None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"checkpoint {folder.uri} is damaged: its {MANIFEST_FILE} is not a "
+                              f"manifest; pick another with --resume-from")
+    return manifest
+
+
+def mismatch(name: str, recorded: dict, size: int, data: Optional[bytes] = None) -> Optional[str]:
+    """How a file differs from its manifest entry (size, then checksum when `data` is given)."""
+    want = int(recorded["bytes"])
+    if size != want:
+        off = f"{want - size} bytes short" if size < want else f"{size - want} bytes too long"
+        return f"{name} holds {size} bytes, {off} of the {want} recorded when it was saved"
+    if data is not None and hashlib.sha256(data).hexdigest() != recorded["sha256"]:
+        return f"{name} has its recorded size but not its recorded SHA-256"
+    return None
+
+
+def checkpoint_file(path: Where) -> Location:
+    """The checkpoint.pt for a checkpoint directory or file (local path, URI or Location)."""
+    loc = storage.at(path)
+    return loc.join(CHECKPOINT_FILE) if loc.is_dir() else loc
+
+
+def load_checkpoint(path: Where, near: Optional[Location] = None) -> dict:
+    """Loads a checkpoint onto the CPU, or raises CheckpointError with what to do.
+
+    `path` may be on object storage (s3://...): `near` is a Location whose filesystem serves it."""
+    try:
+        file = checkpoint_file(storage.at(path, near))
+        if not file.exists():
+            raise CheckpointError(f"no checkpoint at {_name(path)} (expected a checkpoint directory "
+                                  f"holding {CHECKPOINT_FILE}, or the file itself); HINT: list them "
+                                  f"with `ls <storage-path>/<name>/`")
+        data = read_verified(file)
+    except StorageError as e:
+        raise CheckpointError(f"cannot read the checkpoint {_name(path)}: {e}") from None
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated zip, pickle garbage, wrong file type
+        raise CheckpointError(f"checkpoint {file.uri} is corrupt or not a ray_job checkpoint "
+                              f"({type(e).__name__}); pick another with --resume-from") from None
+    if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
+        raise CheckpointError(f"{file.uri} is not a ray_job checkpoint (no model/epoch); pick another "
+                              f"with --resume-from")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{file.uri} has checkpoint format {state.get('format_version')!r}; this "
+                              f"ray_job reads format {FORMAT_VERSION}: pick a checkpoint it wrote, "
+                              f"or start without --resume-from")
+    return state
+
+
+def read_verified(file: Location) -> bytes:
+    """The bytes of a checkpoint file, checked against its folder's manifest when it has one.
+
+    Read by this process into its own memory on purpose: Ray's `Checkpoint.as_directory()` shares
+    one download folder per checkpoint among a node's processes, and a worker that comes after
+    another's download has finished downloads it again into that folder, truncating the file the
+    first one is still reading (Ray 2.60; tests/test_checkpoint.py shows it). On a slow machine the
+    first worker then unpickled a short checkpoint.pt."""
+    folder = file.parent()
+    manifest = read_manifest(folder)
+    data = file.read_bytes()
+    if manifest is not None:
+        recorded = manifest["files"].get(file.name)
+        problem = (f"{file.name} is not in its {MANIFEST_FILE}" if recorded is None
+                   else mismatch(file.name, recorded, len(data), data))
+        if problem:
+            raise CheckpointError(f"checkpoint {folder.uri} is damaged: {problem}; pick another "
+                                  f"with --resume-from")
+    return data
+
+
+def _name(path: Where) -> str:
+    return path.uri if isinstance(path, Location) else path
+
+
+def upload_checkpoint(local_dir: str, dest: Location, wait_s: float = 0.0) -> None:
+    """Copies a checkpoint folder written by save_checkpoint to storage and verifies the copy,
+    retrying for up to `wait_s` seconds. The files go first, each checked at its recorded size on
+    the store, and the manifest last; a failed or short copy is removed, so a partial checkpoint is
+    never left to be taken. (pyarrow does not expose S3's checksums: the SHA-256 is checked again
+    on every load instead.)"""
+    with open(os.path.join(local_dir, MANIFEST_FILE)) as f:
+        files = loads(f.read())["files"]
+
+    def upload() -> None:
+        dest.upload_files(local_dir, sorted(files))
+        for name, recorded in sorted(files.items()):
+            problem = mismatch(name, recorded, dest.join(name).info().size)
+            if problem:
+                dest.delete()
+                raise StorageError(f"the copy of checkpoint {dest.uri} does not verify: {problem}")
+        dest.upload_files(local_dir, [MANIFEST_FILE])
+    storage.retrying(upload, wait_s, f"saving checkpoint {dest.uri}")
+
+
+def restore_training_state(state: dict, *, model, optimizer) -> None:
+    """Loads a checkpoint's states into freshly built (possibly wrapped) objects."""
+    from ..model.resnet import unwrap
+
+    unwrap(model).load_state_dict(state["model"])
+    if state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])  # moves state to the params' device

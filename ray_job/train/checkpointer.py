@@ -1,0 +1,161 @@
+"""Every checkpoint of a run: saving it, finding the newest complete one, resuming from it.
+
+Saving (rank 0 writes, every rank reports: Ray's report is a barrier): the state is written to a
+local folder with its manifest (checkpoint.py), copied to the run folder and verified there, then
+recorded as `checkpoint_saved` in events.jsonl, and only then reported to Ray -- so a partial
+checkpoint is never the latest. One that cannot be saved (storage unreachable, disk full) is logged
+as `checkpoint_failed` and skipped, and training goes on; the `last` one (end of the run, a stop
+request) is retried for up to --retry-storage-s, and its error is returned if it still fails.
+
+Resuming: the candidates are this run's checkpoints that were saved completely (their
+`checkpoint_saved` event, or Ray's record of them), newest first. Rank 0 takes the newest that
+verifies, passing over damaged ones with a line each (`checkpoint_skipped`), and every rank loads
+the one rank 0 chose. Without any, `--resume-from`; without that, a fresh start. When every
+checkpoint of the run is damaged, that is bad input (exit 2), never a silent restart from scratch.
+
+Retention is Ray's (`retention()`: the --keep-checkpoints best by test accuracy, and the latest).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import storage
+from ..storage import Location, StorageError
+from .checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint, save_checkpoint, upload_checkpoint
+from .runfiles import CHECKPOINT_PREFIX, EVENTS_JSONL, Event
+from .runlog import RunLog
+
+log = logging.getLogger("ray_job")
+
+
+@dataclass
+class Resume:
+    epoch: int = 0           # finished epochs
+    step: int = 0            # steps already done in the next epoch
+    state: Optional[dict] = None
+    source: str = ""         # where it came from, for the run log
+
+
+@dataclass(frozen=True)
+class RayLink:
+    """The two things the checkpointer needs from Ray Train (injected, so tests need no Ray):
+    a new checkpoint folder name, and `report(metrics, path or None)` -- every rank, same count."""
+
+    new_dir_name: Callable[[], str]
+    report: Callable[[dict, Optional[str]], None]
+
+
+def where(epoch: int, step: int) -> str:
+    """A checkpoint's position in words (`epoch` counts finished epochs)."""
+    return f"epoch {epoch + 1} step {step}" if step else f"the end of epoch {epoch}"
+
+
+def saved_checkpoints(store: Location) -> list[str]:
+    """This run's checkpoint folders that rank 0 finished writing (their checkpoint_saved event
+    follows the verified upload) and that are still there, oldest first."""
+    try:
+        names = [e["checkpoint"] for e in storage.read_jsonl(store.join(EVENTS_JSONL))
+                 if e.get("event") == Event.CHECKPOINT_SAVED]
+        return [n for n in dict.fromkeys(names) if store.join(n, CHECKPOINT_FILE).exists()]
+    except (ValueError, StorageError):  # a torn last line, storage away: Ray's record only
+        return []
+
+
+def newest_saved_checkpoint(store: Location) -> Optional[str]:
+    saved = saved_checkpoints(store)
+    return max(saved) if saved else None  # names sort by time
+
+
+class Checkpointer:
+    def __init__(self, store: Location, ray: RayLink, is_rank0: bool, files: Optional[RunLog],
+                 retry_storage_s: float):
+        self.store, self.ray, self.is_rank0 = store, ray, is_rank0
+        self.files, self.retry_storage_s = files, retry_storage_s
+
+    # --- saving ---
+    def save(self, state: Callable[[], dict], metrics: dict, last: bool = False) -> Optional[str]:
+        """Every rank calls this at the same point. `state()` builds save_checkpoint's arguments
+        (rank 0 only calls it). Returns the error of a `last` checkpoint that was not saved."""
+        path, error = None, None
+        if self.is_rank0:
+            path, error = self._write(state(), self.retry_storage_s if last else 0.0)
+        self.ray.report(metrics, path)
+        return error if last else None
+
+    def _write(self, state: dict, wait_s: float) -> tuple[Optional[str], Optional[str]]:
+        """(the saved folder's path on the storage, None) or (None, why it was not saved)."""
+        dest = self.store.join(self.ray.new_dir_name())
+        position = where(state["epoch"], state["step"])
+        with tempfile.TemporaryDirectory(prefix="rj_ckpt_") as d:
+            save_checkpoint(d, **state)
+            nbytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+            started = time.perf_counter()
+            try:
+                upload_checkpoint(d, dest, wait_s)
+            except StorageError as e:
+                log.warning("checkpoint at %s NOT saved: %s%s", position, e,
+                            "" if wait_s else "; training goes on, the next checkpoint tries again")
+                self.files.event(Event.CHECKPOINT_FAILED, epoch=state["epoch"], step=state["step"],
+                                 error=str(e))
+                return None, f"the checkpoint at {position} was not saved: {e}"
+        self.files.event(Event.CHECKPOINT_SAVED, checkpoint=dest.name, epoch=state["epoch"],
+                         step=state["step"], bytes=nbytes, upload_s=time.perf_counter() - started)
+        return dest.path, None
+
+    # --- resuming ---
+    def candidates(self, recorded: Optional[str]) -> list[str]:
+        """This run's complete checkpoints, newest first (`recorded`: the one Ray hands back)."""
+        names = set(saved_checkpoints(self.store))
+        if recorded:
+            names.add(recorded)
+        return sorted((n for n in names if n.startswith(CHECKPOINT_PREFIX)), reverse=True)
+
+    def choose(self, recorded: Optional[str]) -> tuple[Optional[str], Optional[dict]]:
+        """Rank 0: the newest candidate that verifies, and its state (None, None: there is none)."""
+        names = self.candidates(recorded)
+        problems = []
+        for name in names:
+            try:
+                state = load_checkpoint(self.store.join(name))
+            except CheckpointError as e:
+                problems.append(str(e))
+                log.warning("skipping checkpoint %s: %s", name, e)
+                if self.files is not None:
+                    self.files.event(Event.CHECKPOINT_SKIPPED, checkpoint=name, error=str(e))
+                continue
+            if name != recorded and (recorded is None or name > recorded):
+                log.info("resuming from %s: saved completely, but Ray has no record of it (the driver "
+                         "stopped right after it was written)", name)
+            return name, state
+        if names:
+            raise CheckpointError(f"none of this run's {len(names)} checkpoint(s) verifies (newest: "
+                                  f"{problems[0]}); pick one with --resume-from, or use a new --name")
+        return None, None
+
+    def resume(self, name: Optional[str], state: Optional[dict], resume_from: str,
+               world_size: int) -> Resume:
+        """The position to start at, from the chosen checkpoint (loaded here when `state` is
+        None), else --resume-from, else the start. A mid-epoch position only holds with the same
+        sharding; with another world size that epoch is redone."""
+        source = name or resume_from
+        if name is not None and state is None:
+            state = load_checkpoint(self.store.join(name))
+        elif name is None and resume_from:
+            state = load_checkpoint(resume_from, near=self.store)
+        if state is None:
+            return Resume()
+        same_world = state.get("world_size") == world_size
+        return Resume(state["epoch"], state.get("step", 0) if same_world else 0, state, source)
+
+    @staticmethod
+    def retention(keep: int) -> dict:
+        """Ray's CheckpointConfig arguments: the `keep` best by test accuracy (and the latest)."""
+        return dict(num_to_keep=keep, checkpoint_score_attribute="test_acc", checkpoint_score_order="max")
+

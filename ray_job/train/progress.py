@@ -1,0 +1,81 @@
+"""Rank 0's progress display: is the job alive, how fast does it go, when will it end.
+
+Two forms, chosen once on the driver (`--progress`, auto = bar when its stdout is a terminal):
+  lines  after the first step, then every --log-every steps or every EVERY_S seconds, whichever
+         comes first: step/total, loss, images/s, data vs compute ms (the raw-DDP baseline's
+         fields) and the ETA of the epoch and of the run. For SLURM logs and `ray job logs`.
+  bar    a live tqdm bar with the same figures, drawn by the driver (Ray's tqdm_ray sends the
+         bar's state from the worker, so it works from any node).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from .engine import Step
+
+EVERY_S = 10.0
+
+log = logging.getLogger("ray_job")
+
+
+def hms(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Progress:
+    """Called after every step of one epoch on rank 0 (`on_step`), closed at the epoch's end."""
+
+    def __init__(self, mode: str, epoch: int, epochs: int, steps: int, start_step: int,
+                 global_batch: int, log_every: int, eval_s: Optional[float] = None,
+                 every_s: float = EVERY_S):
+        self.epoch, self.epochs, self.steps = epoch, epochs, steps
+        self.global_batch, self.log_every = global_batch, log_every
+        self.eval_s, self.every_s = eval_s or 0.0, every_s
+        self.started = time.perf_counter()
+        self.last_print = 0.0
+        self.done = 0  # steps taken in this process (the first ones may be resumed past)
+        self.bar = None
+        if mode == "bar":
+            from ray.experimental.tqdm_ray import tqdm
+
+            self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", unit="step")
+            self.bar.n = start_step
+
+    def figures(self, step: int, loss: float, data_s: float, compute_s: float) -> str:
+        elapsed = time.perf_counter() - self.started
+        per_step = elapsed / max(self.done, 1)
+        left_epoch = (self.steps - step) * per_step
+        left_run = left_epoch + self.eval_s + (self.epochs - self.epoch - 1) * (
+            self.steps * per_step + self.eval_s)
+        return (f"Loss: {loss:.4f}, {self.global_batch / per_step:.0f} img/s, data "
+                f"{data_s * 1e3:.1f} ms, train {compute_s * 1e3:.1f} ms, ETA epoch "
+                f"{hms(left_epoch)}, run {hms(left_run)}")
+
+    def on_step(self, done: Step) -> None:
+        step, loss, data_s, compute_s = done.number, done.loss, done.data_s, done.compute_s
+        self.done += 1
+        now = time.perf_counter()
+        due = (self.done == 1 or now - self.last_print >= self.every_s
+               or (self.log_every and step % self.log_every == 0) or step == self.steps)
+        if self.bar is not None:
+            self.bar.n = step
+            if due or now - self.last_print >= 1.0:
+                self.last_print = now
+                self.bar.set_description(f"epoch {self.epoch + 1}/{self.epochs} "
+                                         f"{self.figures(step, float(loss.detach()), data_s, compute_s)}")
+            return
+        if not due or not self.log_every:
+            return
+        self.last_print = now
+        # float(loss) waits for the device: only here, never on every step.
+        log.info("Epoch [%d/%d], Step [%d/%d], %s", self.epoch + 1, self.epochs, step, self.steps,
+                 self.figures(step, float(loss.detach()), data_s, compute_s))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

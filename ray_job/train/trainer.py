@@ -1,0 +1,141 @@
+"""The Ray side of the driver: joining or starting a cluster, deciding the workers from what it
+holds, and building the TorchTrainer (scaling, storage, retention, failure handling)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Optional
+
+from .. import storage
+from ..cluster import rayenv
+from ..cluster.ports import free_port
+from ..config import TrainConfig, choose_use_gpu
+from ..core.errors import UsageError
+from .checkpointer import Checkpointer
+
+log = logging.getLogger("ray_job.driver")
+# An elastic run may try a size that a lost node still seems to offer (the GCS takes a few
+# heartbeats to mark it dead); each try waits this long before Ray Train decides again.
+ELASTIC_START_TIMEOUT_S = 60.0
+
+
+def connect(cfg: TrainConfig) -> None:
+    import ray
+
+    if ray.is_initialized():  # e.g. the test suite's shared cluster
+        return
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    # Read by Ray Train's controller: how long a worker group may wait for its resources.
+    wait_s = min(cfg.resource_wait_s, ELASTIC_START_TIMEOUT_S) if cfg.min_workers else cfg.resource_wait_s
+    runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{wait_s:g}"}}
+    if address:
+        log.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+    else:
+        log.info("no --address / RAY_ADDRESS: starting a local Ray cluster in this process")
+        rayenv.apply_defaults()  # as every cluster of ours: no usage stats, no drain, no watcher noise
+        # Ray Train's placement-group cleaner asks the state API; with other clusters on this
+        # machine it cannot tell which one is ours unless told (the workers inherit this env).
+        port = free_port()
+        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+        ray.init(address="local", dashboard_port=port, runtime_env=runtime_env)
+
+
+def workers_that_fit(cpus: float, gpus: float, nodes: Optional[list] = None) -> int:
+    """How many workers of this size the alive nodes (default: ray.nodes()) can ever hold (not
+    just right now)."""
+    import ray
+
+    total = 0
+    for node in ray.nodes() if nodes is None else nodes:
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        fit = int(res.get("CPU", 0) // cpus) if cpus else 10**6
+        if gpus:
+            fit = min(fit, int(res.get("GPU", 0) // gpus))
+        total += fit
+    return total
+
+
+def resolve_workers(cfg: TrainConfig) -> TrainConfig:
+    """Fills in --use-gpu and --num-workers from the cluster and checks that they fit."""
+    import ray
+
+    total_gpus = ray.cluster_resources().get("GPU", 0)
+    use_gpu = choose_use_gpu(cfg.use_gpu, total_gpus)
+    num_workers = cfg.num_workers or (int(total_gpus // cfg.gpus_per_worker) if use_gpu else 1)
+    gpus = cfg.gpus_per_worker if use_gpu else 0
+    if cfg.min_workers > num_workers:
+        raise UsageError(f"--min-workers {cfg.min_workers} is more than the {num_workers} workers "
+                         f"of this run; give --min-workers <= --num-workers")
+    fits = workers_that_fit(cfg.cpus_per_worker, gpus)
+    need, flag = (cfg.min_workers, "--min-workers") if cfg.min_workers else (num_workers, "--num-workers")
+    if need > fits:
+        raise UsageError(f"{flag} {need} cannot fit: the cluster holds at most {fits} "
+                         f"worker(s) of {worker_size(cfg.cpus_per_worker, gpus)} each; lower "
+                         f"{flag} or --cpus-per-worker, or add nodes")
+    return dataclasses.replace(cfg, use_gpu=use_gpu, num_workers=num_workers)
+
+
+def worker_size(cpus: float, gpus: float) -> str:
+    return f"{cpus:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
+
+
+def missing_resources(cfg: TrainConfig) -> str:
+    """What the cluster lacks for this run's workers, in words (for the resource-wait error)."""
+    import ray
+
+    gpus = cfg.gpus_per_worker if cfg.use_gpu else 0
+    nodes = ray.nodes()
+    alive = [n for n in nodes if n.get("Alive")]
+    dead = [n.get("NodeManagerAddress", "?") for n in nodes if not n.get("Alive")]
+    fits = workers_that_fit(cfg.cpus_per_worker, gpus, nodes)
+    text = (f"the cluster holds {fits} of the {cfg.num_workers} workers of "
+            f"{worker_size(cfg.cpus_per_worker, gpus)} each ({len(alive)} node(s) alive")
+    return text + (f"; lost: {', '.join(sorted(set(dead)))})" if dead else ")")
+
+
+def build_trainer(cfg: TrainConfig):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from .worker import train_loop_per_worker
+
+    resources = {"CPU": cfg.cpus_per_worker}
+    if cfg.use_gpu:
+        resources["GPU"] = cfg.gpus_per_worker
+    # One filesystem for Ray's files too (its checkpoint snapshot, old checkpoints' deletion): built
+    # here from the AWS variables, pickled to the controller and the workers (which so need no
+    # copy of them), its calls retried for --retry-storage-s seconds.
+    root = storage.at(cfg.storage_path)
+    # Fixed size: a lost node is a failure, and the restart waits RAY_TRAIN_WORKER_GROUP_START_
+    # TIMEOUT_S (= --resource-wait-s, set in connect) for the workers; then the controller gives
+    # up at once (limit 0) and the driver exits 5. Elastic: Ray Train starts with whatever fits
+    # between min and max and restarts the group (from the latest checkpoint) when nodes go or
+    # come back; a start that times out (a size a dying node seemed to offer) is decided again.
+    workers = (cfg.min_workers, cfg.num_workers) if cfg.min_workers else cfg.num_workers
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=cfg.to_dict(),
+        # timeout_s: a stuck collective fails the step (gloo; NCCL's watchdog) instead of hanging
+        torch_config=TorchConfig(backend=backend(cfg), timeout_s=int(cfg.collective_timeout_s)),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=bool(cfg.use_gpu),
+                                     resources_per_worker=resources),
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=root.path,
+            storage_filesystem=storage.for_ray(root, cfg.retry_storage_s),
+            checkpoint_config=CheckpointConfig(**Checkpointer.retention(cfg.keep_checkpoints)),
+            failure_config=FailureConfig(max_failures=cfg.max_failures,
+                                         controller_failure_limit=-1 if cfg.min_workers else 0),
+        ),
+    )
+
+
+def backend(cfg: TrainConfig) -> Optional[str]:
+    """torch.distributed's backend: Ray's choice (NCCL on GPUs, gloo on CPUs), except gloo for
+    workers that share a GPU (NCCL refuses two ranks on one GPU)."""
+    return "gloo" if cfg.use_gpu and cfg.gpus_per_worker < 1 else None

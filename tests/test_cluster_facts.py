@@ -1,0 +1,139 @@
+"""The cluster facts that bash and YAML ask Python for (ray_job.cluster): the port layout, Ray's
+environment, the token, node addresses, readiness, what an exit status means to SLURM, and the
+private Ray APIs behind one door. No cluster needed."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from ray_job.cluster import ports, raypriv, readiness, slurm
+from ray_job.cluster.ports import free_port
+from ray_job.core.exits import ExitCode, slurm_action
+
+
+
+
+def cluster_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ray_job.cluster", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def flags(lines: list[str]) -> dict[str, int]:
+    return {f.split("=")[0][2:]: int(f.split("=")[1]) for f in lines}
+
+
+def test_the_port_layout_of_a_head_and_a_worker():
+    head, worker = flags(ports.ray_start_flags(20000, head=True)), flags(ports.ray_start_flags(20000, head=False))
+    assert head["port"] == 20000 and head["dashboard-port"] == 20001 and head["ray-client-server-port"] == 20002
+    assert not {"port", "dashboard-port", "ray-client-server-port"} & set(worker)
+    assert {k: v for k, v in head.items() if k in worker} == worker  # same layout on every node
+    assert worker["min-worker-port"] == 20010 and worker["max-worker-port"] == 20199
+    used = sorted(head.values())
+    assert len(set(used)) == len(used) and used[-1] == 20199  # nothing outside the block, nothing twice
+    with pytest.raises(ValueError):
+        ports.ray_start_flags(20000, True, size=10)
+
+
+def test_the_ports_command_prints_the_same_flags():
+    out = cluster_cli("ports", "--base", "30000", "--head")
+    assert out.returncode == 0 and out.stdout.split() == ports.ray_start_flags(30000, True)
+
+
+def test_head_block_is_free_and_its_ports_follow_the_layout():
+    lo = 40000 + os.getpid() % 5000
+    out = cluster_cli("head-block", "--job-id", "12", "--range", str(lo), str(lo + 999))
+    base, gcs, dash = map(int, out.stdout.split())
+    assert lo <= base <= lo + 800 and (gcs, dash) == (base, base + 1)
+    assert all(ports.is_free(p) for p in range(base, base + 200))
+    full = cluster_cli("head-block", "--job-id", "1", "--range", str(lo), str(lo + 50))
+    assert full.returncode == ExitCode.CLUSTER_DOWN and full.stderr.startswith("error: ")
+
+
+def test_env_prints_only_the_defaults_not_already_set():
+    out = cluster_cli("env", env={"RAY_USAGE_STATS_ENABLED": "1"})
+    assert "RAY_USAGE_STATS_ENABLED" not in out.stdout
+    assert "export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0" in out.stdout.splitlines()
+
+
+def test_token_is_private_and_never_overwritten(tmp_path):
+    path = tmp_path / "token"
+    assert cluster_cli("token", str(path)).returncode == 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text()) == 64
+    before = path.read_text()
+    assert cluster_cli("token", str(path)).returncode != 0 and path.read_text() == before
+
+
+@pytest.mark.parametrize("rc, stop, expected", [
+    (0, False, "exit 0"), (1, False, "exit 1"), (2, True, "exit 2"), (0, True, "exit 0"),
+    (3, True, "requeue 3"), (1, True, "requeue 3"), (130, True, "requeue 3"),
+    (5, False, "requeue 5"), (None, True, "requeue 3"),
+])
+def test_what_each_exit_status_means_to_slurm(rc, stop, expected):
+    action, status, why = slurm_action(rc, stop)
+    assert f"{action} {status}" == expected and (why != "") == (action == "requeue")
+
+
+def test_exit_action_command():
+    assert cluster_cli("exit-action", "5", "0").stdout.startswith("requeue 5 the cluster lost the resources")
+    assert cluster_cli("exit-action", "none", "1").stdout.split()[:2] == ["requeue", "3"]
+    assert cluster_cli("exit-action", "0", "0").stdout.split() == ["exit", "0"]
+
+
+def test_node_addresses_refuse_a_mix_of_loopback_and_routable(monkeypatch):
+    addrs = {"n1": "127.0.0.1", "n2": "10.1.2.3"}
+    monkeypatch.setattr(slurm, "node_addr", lambda node: node)
+    monkeypatch.setattr(slurm, "ipv4", lambda host: addrs.get(host))
+    with pytest.raises(slurm.NodeError, match="mix loopback and routable.*RJ_HEAD_IP"):
+        slurm.node_addresses(["n1", "n2"])
+    assert slurm.node_addresses(["n1", "n2"], head_ip="10.1.2.2") == ["10.1.2.2", "10.1.2.3"]
+    assert slurm.node_addresses(["n1"]) == ["127.0.0.1"]
+    with pytest.raises(slurm.NodeError, match="cannot resolve an address for node n3"):
+        slurm.node_addresses(["n3"])
+
+
+def test_readiness_waits_for_every_node_and_gpu(tmp_path):
+    seen = iter([readiness.Status(False, 0, ()), readiness.Status(True, 0, ("a",)),
+                 readiness.Status(True, 1, ("a", "b")), readiness.Status(True, 2, ("a", "b"))])
+    lines = []
+    readiness.POLL_S, old = 0.0, readiness.POLL_S
+    try:
+        status = readiness.wait_for_nodes("x:1", ["a", "b"], 2, 30, {}, str(tmp_path), lines.append,
+                                          status=lambda address: next(seen))
+    finally:
+        readiness.POLL_S = old
+    assert status.alive == ("a", "b") and status.gpus == 2
+    assert lines[0] == "cluster: alive=[] missing=[a b] GPUs=0/2" and len(lines) == 4
+
+
+def test_readiness_fails_at_once_when_a_nodes_step_has_ended(tmp_path):
+    done = subprocess.Popen(["true"])
+    done.wait()
+    (tmp_path / "n2.log").write_text("raylet crashed\n")
+    with pytest.raises(readiness.NotReady) as e:
+        readiness.wait_for_nodes("x:1", ["n1", "n2"], 0, 30, {"n2": done.pid}, str(tmp_path), print,
+                                 status=lambda address: readiness.Status(True, 0, ("n1",)))
+    assert "missing Ray node(s): n2" in str(e.value) and "raylet crashed" in str(e.value)
+    assert f"{tmp_path}/n2.log" in str(e.value)
+
+
+def test_cluster_status_is_down_when_nothing_listens():
+    assert readiness.cluster_status(f"127.0.0.1:{free_port()}").line() == "down"
+    assert readiness.cluster_status("not-an-address").line() == "down"
+
+
+@pytest.mark.parametrize("key", sorted(raypriv.SYMBOLS))
+def test_every_private_ray_symbol_is_where_it_was(key):
+    """An upgrade that moves one fails here, naming it."""
+    assert raypriv.get(key) is not None
+
+
+def test_a_moved_private_symbol_is_named(monkeypatch):
+    monkeypatch.setitem(raypriv.SYMBOLS, "gone", ("ray.train", "NoSuchThing"))
+    with pytest.raises(raypriv.PrivateAPIMoved, match=r"has no ray.train.NoSuchThing \(gone"):
+        raypriv.get("gone")
