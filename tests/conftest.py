@@ -293,6 +293,8 @@ class head_running:
                    # Ray-internal state-API clients (Ray Train's PlacementGroupCleaner) otherwise
                    # guess the cluster and fail with "Found multiple active Ray instances".
                    RAY_API_SERVER_ADDRESS=address,
+                   # the workers import the ray_job under test, whatever is installed
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
         log = os.path.join(self.tmp, "head.log")
         cmd = [RAY_CLI, "start", "--head", "--block", f"--temp-dir={self.tmp}/t",

@@ -12,7 +12,8 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Optional
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from .. import storage
 from ..cluster import raypriv
@@ -95,23 +96,43 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
 
 
 def run_training(cfg: TrainConfig) -> int:
+    """`python -m ray_job train`: the whole run, from the checks to the summary; the exit code."""
     started = time.time()
     cfg = preflight(cfg)
+    if announce_finished(cfg):
+        return ExitCode.DONE
+    open_run_folder(cfg)
+    stop.stop_on_usr1(storage.at(cfg.run_dir()))  # before Ray starts: a USR1 from now on is a request
+    connect(cfg)
+    cfg = start_run(cfg)
+    print("config:\n" + cfg.to_json(), flush=True)
+    return fit_and_summarise(cfg, started)
+
+
+def announce_finished(cfg: TrainConfig) -> bool:
+    """Says so when this run already finished its epochs (the same command run again)."""
     done = finished_summary(cfg)
     if done is not None:
         best = done.get("best_test_acc")
         print(f"run {cfg.name!r} already finished {done['epochs_completed']} epochs (best test "
               f"accuracy {'-' if best is None else f'{best:.4f}'}); results in {cfg.run_dir()}. Use "
               f"a new --name, or more --epochs to continue it.")
-        return 0
+    return done is not None
+
+
+def open_run_folder(cfg: TrainConfig) -> None:
+    """The run folder exists, without the stop request a previous (requeued) run left."""
     run_dir = storage.at(cfg.run_dir())
     try:
         run_dir.makedirs()
-        stop.clear(run_dir)  # a request left by the previous (requeued) run is done
+        stop.clear(run_dir)
     except StorageError as e:
         raise UsageError(str(e)) from None
-    stop.stop_on_usr1(run_dir)  # before Ray starts: a USR1 from now on is a request
-    connect(cfg)
+
+
+def start_run(cfg: TrainConfig) -> TrainConfig:
+    """On a connected cluster: the workers decided and checked, config.json written."""
+    run_dir = storage.at(cfg.run_dir())
     cfg = resolve_workers(cfg)
     for world in {cfg.min_workers or cfg.num_workers, cfg.num_workers}:  # every size it may run at
         check_sizes(cfg, world)
@@ -119,15 +140,15 @@ def run_training(cfg: TrainConfig) -> int:
         storage.write_json(run_dir.join(CONFIG_JSON), cfg.to_dict())
     except StorageError as e:
         raise UsageError(str(e)) from None
-    print("config:\n" + cfg.to_json(), flush=True)
-    return fit_and_summarise(cfg, started)
+    return cfg
 
 
-def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
+def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any] = ()) -> int:
+    """Trains (TorchTrainer.fit, with Ray Train `callbacks`) and writes the summary; the exit code."""
     from ray.train import TrainingFailedError
 
     try:
-        result = build_trainer(cfg).fit()
+        result = build_trainer(cfg, callbacks).fit()
     except TrainingFailedError as e:
         reason = " ".join(str(e).split())[:300]  # one line: the error's own text, whitespace folded
         if isinstance(getattr(e, "controller_failure", None), OSError):
@@ -141,7 +162,7 @@ def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
             write_summary(cfg, started, finished=False, error=reason)
         print(f"error: training failed after {cfg.max_failures} restart(s): {reason} (worker logs "
               f"above; --max-failures allows more restarts)", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     outcome = result.return_value or {}
     if outcome.get("usage_error"):  # bad input that only the workers could see: exit 2, one line
         raise UsageError(outcome["usage_error"])
@@ -164,7 +185,7 @@ def fit_and_summarise(cfg: TrainConfig, started: float) -> int:
     best_acc = summary["best_test_acc"]
     print(f"results: {cfg.run_dir()}\nbest checkpoint: {summary['best_checkpoint']} (test accuracy "
           f"{'-' if best_acc is None else f'{best_acc:.4f}'})")
-    return 0
+    return ExitCode.DONE
 
 
 def resources_lost(cfg: TrainConfig, started: float) -> int:
@@ -189,4 +210,4 @@ def storage_failed(cfg: TrainConfig, started: float, error: str, latest: Optiona
     saved = f"Last checkpoint saved: {latest}" if latest else "Ray keeps the last checkpoint it recorded"
     print(f"error: storage failed: {error}. {saved}; once the storage works again, run the same "
           f"command: it continues from there", file=sys.stderr)
-    return 1
+    return ExitCode.FAILED

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Optional
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from .. import storage
 from ..cluster import rayenv
@@ -98,7 +99,9 @@ def missing_resources(cfg: TrainConfig) -> str:
     return text + (f"; lost: {', '.join(sorted(set(dead)))})" if dead else ")")
 
 
-def build_trainer(cfg: TrainConfig):
+def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
+    """The TorchTrainer of this run; `callbacks`: Ray Train UserCallbacks for its RunConfig (Tune's
+    report callback, experiment tracking), run on Ray Train's controller."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -131,6 +134,7 @@ def build_trainer(cfg: TrainConfig):
             checkpoint_config=CheckpointConfig(**Checkpointer.retention(cfg.keep_checkpoints)),
             failure_config=FailureConfig(max_failures=cfg.max_failures,
                                          controller_failure_limit=-1 if cfg.min_workers else 0),
+            callbacks=list(callbacks),
         ),
     )
 
