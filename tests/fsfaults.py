@@ -14,11 +14,12 @@ CHUNK = 1 << 20
 
 
 class LocalFaults(pafs.FileSystemHandler):
-    """LocalFileSystem, but each read of up to CHUNK bytes first sleeps `read_delay_s`, and each
-    file written loses its last `drop_bytes` bytes."""
+    """LocalFileSystem, but each read of up to CHUNK bytes first sleeps `read_delay_s`, each CHUNK
+    written takes `write_delay_s`, and each file written loses its last `drop_bytes` bytes."""
 
-    def __init__(self, read_delay_s: float = 0.0, drop_bytes: int = 0):
+    def __init__(self, read_delay_s: float = 0.0, drop_bytes: int = 0, write_delay_s: float = 0.0):
         self.fs, self.read_delay_s, self.drop_bytes = pafs.LocalFileSystem(), read_delay_s, drop_bytes
+        self.write_delay_s = write_delay_s
 
     def __eq__(self, other):
         return isinstance(other, LocalFaults)
@@ -66,7 +67,7 @@ class LocalFaults(pafs.FileSystemHandler):
         return self.open_input_stream(path)
 
     def open_output_stream(self, path, metadata):
-        return pyarrow.PythonFile(_ShortWriter(path, self.drop_bytes), mode="w")
+        return pyarrow.PythonFile(_ShortWriter(path, self.drop_bytes, self.write_delay_s), mode="w")
 
     def open_append_stream(self, path, metadata):
         raise OSError("no appends")
@@ -89,10 +90,11 @@ class _SlowReader:
 
 
 class _ShortWriter:
-    def __init__(self, path, drop_bytes):
-        self.path, self.drop_bytes, self.parts, self.closed = path, drop_bytes, [], False
+    def __init__(self, path, drop_bytes, delay_s=0.0):
+        self.path, self.drop_bytes, self.delay_s, self.parts, self.closed = path, drop_bytes, delay_s, [], False
 
     def write(self, data):
+        time.sleep(self.delay_s * len(data) / CHUNK)
         self.parts.append(bytes(data))
         return len(data)
 
@@ -116,6 +118,10 @@ def slow(read_delay_s: float) -> pafs.PyFileSystem:
 
 def short_writes(drop_bytes: int) -> pafs.PyFileSystem:
     return pafs.PyFileSystem(LocalFaults(drop_bytes=drop_bytes))
+
+
+def slow_writes(write_delay_s: float) -> pafs.PyFileSystem:
+    return pafs.PyFileSystem(LocalFaults(write_delay_s=write_delay_s))
 
 
 # --- processes for the shared-download test (spawned: top-level functions) ---

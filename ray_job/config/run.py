@@ -153,6 +153,10 @@ class TrainConfig:
                                        "checkpoint", "results", affects_result=False)
     keep_checkpoints: int = _opt(2, "checkpoints to keep, best by test accuracy", "results",
                                  affects_result=False)
+    async_checkpoints: bool = _opt(True, "write and upload checkpoints in the background (the step waits "
+                                   "only for a copy of the state in host memory); --no-async-checkpoints "
+                                   "writes them before training goes on", "results", bool_flag=True,
+                                   affects_result=False)
     retry_storage_s: float = _opt(120.0, "seconds to keep retrying the last checkpoint (end of the run or a "
                                   "stop request) and the run files while the storage fails; a checkpoint in "
                                   "between that cannot be saved is skipped and training goes on", "results",

@@ -35,14 +35,14 @@ class CheckpointError(UsageError):
     """A checkpoint that is missing or cannot be read."""
 
 
-def save_checkpoint(directory: str, *, model: torch.nn.Module, optimizer, epoch: int, step: int,
-                    config: dict, metrics: dict, world_size: int = 1) -> str:
-    """Writes the training state; `epoch` counts finished epochs, `step` the steps into the next.
+def training_state(*, model: torch.nn.Module, optimizer, epoch: int, step: int, config: dict,
+                   metrics: dict, world_size: int = 1) -> dict:
+    """What a checkpoint file holds; `epoch` counts finished epochs, `step` the steps into the next.
+    Its tensors are the live ones: `uploader.snapshot()` copies them to keep them.
 
     The LR schedule is not saved: it is a pure function of the position (epoch, step).
     """
-    os.makedirs(directory, exist_ok=True)
-    state = {
+    return {
         "format_version": FORMAT_VERSION,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -52,10 +52,20 @@ def save_checkpoint(directory: str, *, model: torch.nn.Module, optimizer, epoch:
         "config": config,
         "metrics": metrics,
     }
+
+
+def write_state(directory: str, state: dict) -> str:
+    """Writes a training_state() as checkpoint.pt, then its manifest."""
+    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CHECKPOINT_FILE)
     torch.save(state, path)
     write_manifest(directory)
     return path
+
+
+def save_checkpoint(directory: str, **state) -> str:
+    """Writes the training state of `training_state(**state)` and its manifest."""
+    return write_state(directory, training_state(**state))
 
 
 def write_manifest(directory: str) -> dict:

@@ -28,9 +28,11 @@ from typing import Optional
 
 from .. import storage
 from ..storage import Location, StorageError
-from .checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint, save_checkpoint, upload_checkpoint
+from .checkpoint import (CHECKPOINT_FILE, CheckpointError, load_checkpoint, training_state, upload_checkpoint,
+                         write_state)
 from .runfiles import CHECKPOINT_PREFIX, EVENTS_JSONL, Event
 from .runlog import RunLog
+from .uploader import Upload, snapshot
 
 log = logging.getLogger("ray_job")
 
@@ -74,27 +76,70 @@ def newest_saved_checkpoint(store: Location) -> Optional[str]:
 
 
 class Checkpointer:
+    """One run's checkpoints, on every rank (only rank 0 writes; every rank reports).
+
+    Asynchronous by default: `save()` takes a snapshot and returns; the write, upload and check go
+    on in the background (uploader.py), and the checkpoint is reported -- with the metrics it was
+    saved with -- by `report_saved()`, which every rank calls once the step control has told them
+    that rank 0's upload is over (so all ranks report at the same step). A `last` checkpoint (end
+    of the run, a stop request) is written before save() returns. Rank 0 starts a new upload only
+    when the previous one has been reported: the step control asks `idle()` before it lets a timed
+    checkpoint fall due, and waits for the upload (`wait()`) at an epoch's end and before a stop.
+    """
+
     def __init__(self, store: Location, ray: RayLink, is_rank0: bool, files: Optional[RunLog],
-                 retry_storage_s: float):
+                 retry_storage_s: float, asynchronous: bool = True):
         self.store, self.ray, self.is_rank0 = store, ray, is_rank0
-        self.files, self.retry_storage_s = files, retry_storage_s
+        self.files, self.retry_storage_s, self.asynchronous = files, retry_storage_s, asynchronous
+        self._upload: Optional[Upload] = None   # rank 0: in flight, or done and not yet reported
+        self._metrics: dict = {}
+
+    # --- rank 0's state, for the step control ---
+    def idle(self) -> bool:
+        return self._upload is None
+
+    def saved(self) -> bool:
+        """An upload is over (saved or not) and waits for its report."""
+        return self._upload is not None and self._upload.done()
+
+    def wait(self) -> None:
+        if self._upload is not None:
+            self._upload.wait()
 
     # --- saving ---
     def save(self, state: Callable[[], dict], metrics: dict, last: bool = False) -> Optional[str]:
-        """Every rank calls this at the same point. `state()` builds save_checkpoint's arguments
-        (rank 0 only calls it). Returns the error of a `last` checkpoint that was not saved."""
+        """Every rank calls this at the same point, with nothing unreported. `state()` builds
+        training_state()'s arguments (rank 0 only calls it). Returns the error of a `last`
+        checkpoint that was not saved (after --retry-storage-s)."""
+        if not last and self.asynchronous:
+            if self.is_rank0:
+                assert self._upload is None, "a checkpoint started before the previous one was reported"
+                name, snap = self.ray.new_dir_name(), snapshot(training_state(**state()))
+                self._metrics = metrics
+                self._upload = Upload(lambda: self._write(name, snap.wait(), 0.0))
+            return None
         path, error = None, None
         if self.is_rank0:
-            path, error = self._write(state(), self.retry_storage_s if last else 0.0)
+            path, error = self._write(self.ray.new_dir_name(), training_state(**state()),
+                                      self.retry_storage_s if last else 0.0)
         self.ray.report(metrics, path)
         return error if last else None
 
-    def _write(self, state: dict, wait_s: float) -> tuple[Optional[str], Optional[str]]:
+    def report_saved(self) -> None:
+        """Every rank, at the same step: reports rank 0's finished upload (without a checkpoint if
+        it failed: the metrics still count)."""
+        path, metrics = None, {}
+        if self.is_rank0:
+            path, _ = self._upload.result()
+            metrics, self._upload = self._metrics, None
+        self.ray.report(metrics, path)
+
+    def _write(self, name: str, state: dict, wait_s: float) -> tuple[Optional[str], Optional[str]]:
         """(the saved folder's path on the storage, None) or (None, why it was not saved)."""
-        dest = self.store.join(self.ray.new_dir_name())
+        dest = self.store.join(name)
         position = where(state["epoch"], state["step"])
         with tempfile.TemporaryDirectory(prefix="rj_ckpt_") as d:
-            save_checkpoint(d, **state)
+            write_state(d, state)
             nbytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
             started = time.perf_counter()
             try:

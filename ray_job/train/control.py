@@ -70,17 +70,24 @@ class StepControl:
     """`after_step(step)`: the Action for this step, the same on every rank (every rank calls it
     after the same steps). With `checkpoint_every_s`, rank 0's clock decides when a timed
     checkpoint is due; `checkpointed()` restarts that clock. `at_epoch_end()`: was a stop asked?
+
+    The same poll carries rank 0's checkpoint uploads (`saver`: the Checkpointer): SAVED when an
+    upload is over, so that every rank reports it at the same step (`take_report()`), and a timed
+    checkpoint falls due only while no upload is in flight. At an epoch's end and before a stop
+    (`settle()`) rank 0 first waits for its upload, so the checkpoint that follows never waits.
     """
 
-    STOP, CHECKPOINT = 1, 2
+    STOP, CHECKPOINT, SAVED = 1, 2, 4
 
     def __init__(self, run_dir: Where, is_rank0: bool, device: torch.device,
-                 every: int = POLL_EVERY, lag: int = POLL_LAG, checkpoint_every_s: float = 0.0):
+                 every: int = POLL_EVERY, lag: int = POLL_LAG, checkpoint_every_s: float = 0.0,
+                 saver=None):
         self.is_rank0, self.device = is_rank0, device
         self.every, self.lag = every, max(0, min(lag, every - 1))
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.checkpoint_every_s = checkpoint_every_s
-        self.checkpoint_due = False
+        self.checkpoint_due = self.report_due = False
+        self.saver = saver
         self._last_checkpoint = time.monotonic()
         self._pending: Optional[tuple] = None  # (step to read at, work, host tensor, event)
         self._watcher: Optional[Watcher] = None
@@ -118,30 +125,46 @@ class StepControl:
                 answer = self._answer(self._read())
         return answer
 
+    def take_report(self) -> bool:
+        """Whether rank 0's finished upload is to be reported now (every rank gets the same)."""
+        due, self.report_due = self.report_due, False
+        return due
+
     def at_epoch_end(self) -> bool:
-        """At the end of an epoch: the answer of a poll still in flight, else of a fresh one, so an
-        epoch shorter than `every` steps still looks (one blocking all-reduce per epoch). A timed
-        checkpoint falls due no earlier than the epoch's own."""
-        if not self.distributed:
-            stop = bool(self._flags() & self.STOP)
-        elif self._pending is not None and self._read() & self.STOP:
-            stop = True
-        else:
-            self._start(-1)
-            stop = bool(self._read() & self.STOP)
+        """At the end of an epoch: was a stop asked, by a poll still in flight or by a fresh one
+        (so an epoch shorter than `every` steps still looks)? The fresh one follows rank 0's wait
+        for its upload, so `take_report()` then tells whether it is to be reported before the
+        epoch's own checkpoint. A timed checkpoint falls due no earlier than the epoch's own."""
+        stop = self._pending is not None and bool(self._answer(self._read()))
+        stop = self.settle() or stop
         self.checkpoint_due = False
         return stop
+
+    def settle(self) -> bool:
+        """A blocking look after rank 0 has waited for its upload: was a stop asked? `take_report()`
+        then tells whether the upload is to be reported."""
+        if self.is_rank0 and self.saver is not None:
+            self.saver.wait()
+        if not self.distributed:
+            return self._answer(self._flags())
+        self._start(-1)
+        return self._answer(self._read())
 
     def _flags(self) -> int:
         """Rank 0's view: the stop request and the checkpoint clock (0 on the other ranks)."""
         if not self.is_rank0:
             return 0
         due = self.checkpoint_every_s > 0 and time.monotonic() - self._last_checkpoint >= self.checkpoint_every_s
-        return (self.STOP if self._look() else 0) | (self.CHECKPOINT if due else 0)
+        idle = self.saver is None or self.saver.idle()
+        saved = self.saver is not None and self.saver.saved()
+        return ((self.STOP if self._look() else 0) | (self.CHECKPOINT if due and idle else 0)
+                | (self.SAVED if saved else 0))
 
     def _answer(self, flags: int) -> bool:
         if flags & self.CHECKPOINT:
             self.checkpoint_due = True
+        if flags & self.SAVED:
+            self.report_due = True
         return bool(flags & self.STOP)
 
     def _start(self, step: int) -> None:

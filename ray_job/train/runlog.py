@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from typing import Any, Optional
 
@@ -34,22 +35,33 @@ def csv_text(rows: list[dict], keys: list[str]) -> str:
     return out.getvalue()
 
 
+TB_PREFIX = "rj_tb_"  # temporary TensorBoard folders (object storage only): rj_tb_<pid>_<random>
+
+
 class RunLog:
-    """Rank 0's writer for one run folder, on any storage.
+    """Rank 0's writer for one run folder, on any storage; safe to call from the checkpoint upload
+    thread too (one lock).
 
     Object stores cannot append, so the JSON-lines files are held in memory (a line per epoch or
     event: small) and written whole each time. A write that fails (storage unreachable, disk full)
     is kept and tried again with the next one: an outage costs no training time and the files
     catch up once the storage is back; `close` waits for them up to a deadline.
+
+    TensorBoard writes straight into <run>/tensorboard when the run folder is local; on object
+    storage into a temporary folder whose files are copied at every epoch, removed at `close` --
+    and, should the worker have been killed, by the next RunLog on that machine (a folder whose
+    process is gone).
     """
 
     def __init__(self, run_dir: Where):
         self.store = storage.at(run_dir)
+        self._lock = threading.RLock()
         self._lines = {name: self._existing_lines(name) for name in (METRICS_JSONL, EVENTS_JSONL)}
         self._pending: dict[str, bytes] = {}   # file name in the run folder -> content to write
         self._failing: Optional[str] = None    # the error of the last failed write, if failing
         self._tb = None
-        self._tb_dir: Optional[str] = None
+        self._tb_dir: Optional[str] = None      # a temporary folder (object storage) or None
+        remove_stale_tensorboard_folders()
 
     def _existing_lines(self, name: str) -> list[str]:
         try:
@@ -62,37 +74,42 @@ class RunLog:
         return self.store.join(name).uri
 
     def history(self) -> list[EpochMetrics]:
-        return [EpochMetrics.from_dict(loads(line)) for line in self._lines[METRICS_JSONL]]
+        with self._lock:
+            return [EpochMetrics.from_dict(loads(line)) for line in self._lines[METRICS_JSONL]]
 
     def keep_epochs_up_to(self, last_epoch: int) -> None:
         """Drops rows of epochs that will be recomputed (after a restore from an older checkpoint)."""
-        rows = [r for r in self.history() if r.epoch <= last_epoch]
-        self._lines[METRICS_JSONL] = [dumps(r.to_dict()) for r in rows]
-        self._put_lines(METRICS_JSONL)
-        self._put(METRICS_CSV, self._csv(rows))
-        self.flush()
+        with self._lock:
+            rows = [r for r in self.history() if r.epoch <= last_epoch]
+            self._lines[METRICS_JSONL] = [dumps(r.to_dict()) for r in rows]
+            self._put_lines(METRICS_JSONL)
+            self._put(METRICS_CSV, self._csv(rows))
+            self.flush()
 
     def event(self, name: str, **fields: Any) -> None:
-        self._lines[EVENTS_JSONL].append(dumps({"event": name, "time": time.time(), **fields}))
-        self._put_lines(EVENTS_JSONL)
-        self.flush()
+        with self._lock:
+            self._lines[EVENTS_JSONL].append(dumps({"event": name, "time": time.time(), **fields}))
+            self._put_lines(EVENTS_JSONL)
+            self.flush()
 
     def epoch(self, metrics: EpochMetrics) -> None:
-        self._lines[METRICS_JSONL].append(dumps(metrics.to_dict()))
-        self._put_lines(METRICS_JSONL)
-        self._put(METRICS_CSV, self._csv(self.history()))
-        tb = self._writer()
-        if tb is not None:
-            for key, value in metrics.to_dict().items():
-                if isinstance(value, (int, float)) and key != "epoch":
-                    tb.add_scalar(key, value, metrics.epoch)
-            tb.flush()
-            self._put_tensorboard()
-        self.flush()
+        with self._lock:
+            self._lines[METRICS_JSONL].append(dumps(metrics.to_dict()))
+            self._put_lines(METRICS_JSONL)
+            self._put(METRICS_CSV, self._csv(self.history()))
+            tb = self._writer()
+            if tb is not None:
+                for key, value in metrics.to_dict().items():
+                    if isinstance(value, (int, float)) and key != "epoch":
+                        tb.add_scalar(key, value, metrics.epoch)
+                tb.flush()
+                self._put_tensorboard()
+            self.flush()
 
     def write_json(self, name: str, obj: Any) -> None:
-        self._put(name, dumps(obj, indent=2, sort_keys=True).encode())
-        self.flush()
+        with self._lock:
+            self._put(name, dumps(obj, indent=2, sort_keys=True).encode())
+            self.flush()
 
     # --- writing, and catching up after a storage fault ---
     def _put(self, name: str, data: bytes) -> None:
@@ -103,18 +120,19 @@ class RunLog:
 
     def flush(self) -> bool:
         """Writes every pending file; False (and the files kept for later) if the storage fails."""
-        try:
-            self._write_pending()
-        except storage.StorageError as e:
-            if self._failing is None:
-                log.warning("storage: %s; keeping %d file(s) to write later, training goes on",
-                            e, len(self._pending))
-            self._failing = str(e)
-            return False
-        if self._failing is not None:
-            log.warning("storage: writing again; the run files in %s have caught up", self.store.uri)
-            self._failing = None
-        return True
+        with self._lock:
+            try:
+                self._write_pending()
+            except storage.StorageError as e:
+                if self._failing is None:
+                    log.warning("storage: %s; keeping %d file(s) to write later, training goes on",
+                                e, len(self._pending))
+                self._failing = str(e)
+                return False
+            if self._failing is not None:
+                log.warning("storage: writing again; the run files in %s have caught up", self.store.uri)
+                self._failing = None
+            return True
 
     def _write_pending(self) -> None:
         for name in list(self._pending):
@@ -125,30 +143,49 @@ class RunLog:
         return csv_text([r.to_dict() for r in rows], list(EpochMetrics.__dataclass_fields__)).encode()
 
     def _writer(self) -> Optional[Any]:
-        """TensorBoard's writer, on a local folder: its event files are copied to the run folder."""
+        """TensorBoard's writer: in the run folder itself, or in a temporary folder (object storage)."""
         if self._tb is None:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError:  # TensorBoard files are a convenience, not a requirement
                 return None
-            self._tb_dir = tempfile.mkdtemp(prefix="rj_tb_")
-            self._tb = SummaryWriter(self._tb_dir)
+            if self.store.is_local:
+                target = self.store.join(TENSORBOARD).path
+            else:
+                target = self._tb_dir = tempfile.mkdtemp(prefix=f"{TB_PREFIX}{os.getpid()}_")
+            self._tb = SummaryWriter(target)
         return self._tb
 
     def _put_tensorboard(self) -> None:
+        if self._tb_dir is None:  # written in place
+            return
         for name in os.listdir(self._tb_dir):
             with open(os.path.join(self._tb_dir, name), "rb") as f:
                 self._put(f"{TENSORBOARD}/{name}", f.read())
 
     def close(self, wait_s: float = 0.0) -> Optional[str]:
         """Writes what is left, retrying for up to `wait_s` seconds; the error if it could not."""
-        if self._tb is not None:
-            self._tb.close()
-            self._put_tensorboard()
-            shutil.rmtree(self._tb_dir, ignore_errors=True)
-            self._tb = None
-        try:
-            storage.retrying(self._write_pending, wait_s, "writing the run files")
-        except storage.StorageError as e:
-            return f"{len(self._pending)} run file(s) not written: {e}"
-        return None
+        with self._lock:
+            if self._tb is not None:
+                self._tb.close()
+                self._put_tensorboard()
+                self._tb = None
+            if self._tb_dir is not None:
+                shutil.rmtree(self._tb_dir, ignore_errors=True)
+                self._tb_dir = None
+            try:
+                storage.retrying(self._write_pending, wait_s, "writing the run files")
+            except storage.StorageError as e:
+                return f"{len(self._pending)} run file(s) not written: {e}"
+            return None
+
+
+def remove_stale_tensorboard_folders() -> None:
+    """Temporary TensorBoard folders of processes that are gone (a killed worker left them)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(TB_PREFIX):
+            continue
+        pid = name[len(TB_PREFIX):].split("_", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)

@@ -60,7 +60,7 @@ def train_loop_per_worker(config: dict) -> dict:
     torch.manual_seed(cfg.seed + rank)
     torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
     store = run_store(cfg)
-    checkpointer = Checkpointer(store, ray_link(), rank == 0, None, cfg.retry_storage_s)
+    checkpointer = Checkpointer(store, ray_link(), rank == 0, None, cfg.retry_storage_s, cfg.async_checkpoints)
     # Bad input found here (data, checkpoint) is no fault a restart fixes: every rank learns of
     # it before the first collective of DDP, and the run ends at once with the driver's error.
     error, data, resume = None, None, Resume()
@@ -102,7 +102,8 @@ def fit(run: Run, resume: Resume, checkpointer: Checkpointer) -> dict:
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     if run.is_rank0:
         announce(run, resume)
-    control = StepControl(run.store, run.is_rank0, run.device, checkpoint_every_s=cfg.checkpoint_every_min * 60)
+    control = StepControl(run.store, run.is_rank0, run.device, checkpoint_every_s=cfg.checkpoint_every_min * 60,
+                          saver=checkpointer)
     last: Optional[EpochMetrics] = None
     comm_wait, error = None, None
     for epoch in range(resume.epoch, cfg.epochs):
@@ -122,6 +123,8 @@ def fit(run: Run, resume: Resume, checkpointer: Checkpointer) -> dict:
             if progress:
                 progress.on_step(step)
             action = control.after_step(step.number, run.steps_per_epoch)
+            if control.take_report():  # rank 0's background upload is over
+                checkpointer.report_saved()
             if action is Action.CHECKPOINT:
                 log.info("checkpoint after %g min: epoch %d step %d", cfg.checkpoint_every_min, epoch + 1,
                          step.number)
@@ -148,6 +151,8 @@ def fit(run: Run, resume: Resume, checkpointer: Checkpointer) -> dict:
             log.info(last.line())
         # asked during the epoch's last steps: this epoch's checkpoint is the one to stop with
         stopping = control.at_epoch_end() and epoch + 1 < cfg.epochs
+        if control.take_report():
+            checkpointer.report_saved()
         error = checkpointer.save(partial(run.state, epoch + 1, 0, last), last.to_dict(),
                                   last=stopping or epoch + 1 == cfg.epochs)
         control.checkpointed()
@@ -160,6 +165,9 @@ def fit(run: Run, resume: Resume, checkpointer: Checkpointer) -> dict:
 def stop_here(run: Run, control: StepControl, checkpointer: Checkpointer, epoch: int, step: int,
               last: Optional[EpochMetrics]) -> dict:
     log.info("stop requested: checkpoint at %s, stopping", where(epoch, step))
+    control.settle()
+    if control.take_report():
+        checkpointer.report_saved()
     error = checkpointer.save(partial(run.state, epoch, step, last),
                               dict(epoch=epoch, step=step, preempted=True, test_acc=-1.0), last=True)
     return finish(run, control, {"preempted": True, "epoch": epoch, "step": step}, error)

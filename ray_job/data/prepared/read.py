@@ -1,0 +1,165 @@
+"""PreparedImages: one split of a prepared folder, read through memory maps, a batch at a time."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Optional
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import Dataset
+
+from ..errors import DataError
+from .format import EVAL_RESIZE, MANIFEST, files_complete, prepare_hint, read_manifest
+
+
+def open_manifest(folder: str) -> dict:
+    """The manifest of a ready prepared folder, or a DataError saying what to do."""
+    if not os.path.isdir(folder):
+        raise DataError(f"--data-dir {folder} does not exist. {prepare_hint(folder)}")
+    manifest = read_manifest(folder)
+    if manifest is None and os.path.isdir(os.path.join(folder, "train")):
+        raise DataError(f"--data-dir {folder} has no {MANIFEST}: it looks like a folder of images. "
+                        f"HINT: train with --data imagefolder, or run `python -m ray_job prepare-data "
+                        f"--from imagefolder --src {folder} --out OTHER_DIR` and --data-dir OTHER_DIR")
+    if manifest is None:
+        raise DataError(f"--data-dir {folder} has no {MANIFEST}: not a prepared dataset, or one "
+                        f"that was not completely written. {prepare_hint(folder)}")
+    problem = files_complete(folder, manifest)
+    if problem:
+        raise DataError(f"prepared data at {folder} is incomplete: {problem}. {prepare_hint(folder)}")
+    return manifest
+
+
+def _identity(batch):
+    return batch
+
+
+class PreparedImages(Dataset):
+    """One split of a prepared folder, read through memory maps, a batch at a time.
+
+    The files are opened lazily in each process (DataLoader workers included), so what is pickled
+    is only the folder and the settings. `__getitems__` returns uint8 (B, S, S, 3) and int64 labels.
+    """
+
+    collate_fn = staticmethod(_identity)
+
+    def __init__(self, folder: str, split: str, image_size: int, train: bool,
+                 manifest: Optional[dict] = None):
+        self.folder, self.split, self.image_size, self.train = folder, split, image_size, train
+        self.manifest = manifest or open_manifest(folder)
+        self.classes = tuple(self.manifest["classes"])
+        g = self.manifest["geometry"]
+        self.raw = g["layout"] == "raw"
+        # raw images of the model's size go as they are; the device crops and flips them
+        self.device_crop = self.raw and g["height"] == g["width"] == image_size
+        self._length = self.manifest["splits"][split]["rows"]
+        self._opened: Optional[tuple] = None
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_opened": None}
+
+    def _open(self) -> tuple:
+        """(starts, [(images or (offsets, data), labels) per record batch]) over the mapped files."""
+        if self._opened is not None and self._opened[0] == os.getpid():
+            return self._opened[1], self._opened[2]
+        chunks, starts, n = [], [], 0
+        for entry in self.manifest["splits"][self.split]["files"]:
+            path = os.path.join(self.folder, entry["name"])
+            try:
+                reader = pa.ipc.open_file(pa.memory_map(path, "r"))
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    starts.append(n)
+                    n += batch.num_rows
+                    chunks.append(self._views(batch))
+            except (OSError, pa.ArrowException) as e:
+                raise DataError(f"cannot read prepared file {path} ({e}); prepare the data again. "
+                                f"{prepare_hint(self.folder)}") from None
+        if n != self._length:
+            raise DataError(f"{self.folder}: the {self.split} files hold {n} images, the manifest "
+                            f"{self._length}; prepare the data again")
+        self._opened = (os.getpid(), np.asarray(starts), chunks)
+        return self._opened[1], chunks
+
+    def _views(self, batch: pa.RecordBatch) -> tuple:
+        """numpy views of one record batch's buffers (no copy: the pages stay the file's)."""
+        image, label = batch.column(0), batch.column(1)
+        labels = np.frombuffer(label.buffers()[1], np.int32, len(label), label.offset * 4)
+        if self.raw:
+            g = self.manifest["geometry"]
+            shape = (g["height"], g["width"], g["channels"])
+            row = int(np.prod(shape))
+            data = np.frombuffer(image.buffers()[1], np.uint8, len(image) * row, image.offset * row)
+            return data.reshape(len(image), *shape), labels
+        offsets = np.frombuffer(image.buffers()[1], np.int32, len(image) + 1, image.offset * 4)
+        return (offsets, np.frombuffer(image.buffers()[2], np.uint8)), labels
+
+    @staticmethod
+    def _tensor_view(chunk: tuple) -> tuple:
+        """torch tensors over the mapped pages (read-only memory: only ever read from)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+            return torch.from_numpy(chunk[0]), torch.from_numpy(chunk[1])
+
+    def __getitem__(self, i: int):
+        images, labels = self.__getitems__([i])
+        return images[0], labels[0]
+
+    def __getitems__(self, indices: list[int]):
+        starts, chunks = self._open()
+        idx = np.asarray(indices, dtype=np.int64)
+        which = np.searchsorted(starts, idx, side="right") - 1
+        labels = np.empty(len(idx), np.int64)
+        if self.device_crop:
+            g = self.manifest["geometry"]
+            out = np.empty((len(idx), g["height"], g["width"], g["channels"]), np.uint8)
+        else:
+            out = np.empty((len(idx), self.image_size, self.image_size, 3), np.uint8)
+        if len(chunks) == 1 and self.device_crop:  # one shard: the in-memory path's own gather
+            images, chunk_labels = self._tensor_view(chunks[0])
+            picked = torch.from_numpy(idx)
+            return images.index_select(0, picked), chunk_labels.index_select(0, picked).long()
+        for c in np.unique(which):
+            mask = which == c
+            local = idx[mask] - starts[c]
+            images, chunk_labels = chunks[c]
+            labels[mask] = chunk_labels[local]
+            if self.device_crop:
+                out[mask] = images[local]
+            else:
+                out[np.flatnonzero(mask)] = [self._resized(images, j) for j in local]
+        return torch.from_numpy(out), torch.from_numpy(labels)
+
+    def _resized(self, images: Any, j: int) -> np.ndarray:
+        """One image decoded (or taken raw) and brought to image_size x image_size, uint8 HWC."""
+        from PIL import Image
+
+        size = self.image_size
+        if self.raw:
+            im = Image.fromarray(images[j])
+        else:
+            offsets, data = images
+            im = Image.open(io.BytesIO(data[offsets[j]:offsets[j + 1]].tobytes()))
+            # JPEG: decode at the smallest 1/2^k scale that still leaves a crop of >= size pixels
+            im.draft("RGB", (size * 4, size * 4) if self.train else (size, size))
+            im = im.convert("RGB")
+        return np.asarray(self.transform(im))
+
+    @property
+    def transform(self):
+        if getattr(self, "_transform", None) is None:
+            from torchvision import transforms as T
+
+            s = self.image_size
+            self._transform = (T.Compose([T.RandomResizedCrop(s), T.RandomHorizontalFlip()])
+                               if self.train else
+                               T.Compose([T.Resize(round(s / EVAL_RESIZE)), T.CenterCrop(s)]))
+        return self._transform

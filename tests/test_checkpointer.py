@@ -1,0 +1,181 @@
+"""The checkpointer without Ray (its two Ray calls are a recording stand-in): asynchronous saves
+that are reported only once complete, with their own metrics; the last checkpoint written before
+save() returns; a failed background upload reported without a checkpoint, the next one saved; a
+process killed during an upload leaving the previous checkpoint the latest; resume falling back
+from a damaged newest checkpoint to the newest that verifies."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import fsfaults
+from ray_job.storage import Location, at, read_jsonl
+from ray_job.train.checkpoint import CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError
+from ray_job.train.checkpointer import Checkpointer, RayLink, saved_checkpoints
+from ray_job.train.runlog import RunLog
+
+
+class Reports:
+    """The RayLink of one rank: checkpoint names in time order, and what was reported."""
+
+    def __init__(self):
+        self.calls: list[tuple[dict, str | None]] = []
+        self.counter = itertools.count()
+
+    def link(self) -> RayLink:
+        return RayLink(lambda: f"checkpoint_2026-01-01_00-00-{next(self.counter):02d}.000000",
+                       lambda metrics, path: self.calls.append((metrics, path)))
+
+
+def model_state(value: float = 1.0, width: int = 256):
+    model = torch.nn.Linear(width, width)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optimizer
+
+
+def state_fn(model, optimizer, epoch: int, step: int = 0):
+    return lambda: dict(model=model, optimizer=optimizer, epoch=epoch, step=step, config={}, metrics={},
+                        world_size=1)
+
+
+def make(store: Location, asynchronous: bool = True) -> tuple[Checkpointer, Reports]:
+    reports = Reports()
+    return Checkpointer(store, reports.link(), True, RunLog(store), 2.0, asynchronous), reports
+
+
+def test_an_async_save_is_reported_once_complete_with_its_own_metrics(tmp_path):
+    store = at(str(tmp_path / "run"))
+    ckpt, reports = make(store)
+    model, optimizer = model_state(1.0)
+    assert ckpt.save(state_fn(model, optimizer, epoch=1), {"epoch": 1, "test_acc": 0.5}) is None
+    with torch.no_grad():
+        model.weight.fill_(7.0)  # the next steps change the live model: the snapshot does not
+    assert reports.calls == [] and not ckpt.idle()  # nothing reported while it uploads
+    ckpt.wait()
+    assert ckpt.saved()
+    ckpt.report_saved()
+    ((metrics, path),) = reports.calls
+    assert metrics == {"epoch": 1, "test_acc": 0.5} and ckpt.idle() and not ckpt.saved()
+    folder = Location(store.fs, path, path)
+    assert sorted(os.listdir(path)) == [CHECKPOINT_FILE, MANIFEST_FILE]
+    from ray_job.train.checkpoint import load_checkpoint
+
+    assert torch.all(load_checkpoint(folder)["model"]["weight"] == 1.0)
+    saved = [e for e in read_jsonl(store.join("events.jsonl")) if e["event"] == "checkpoint_saved"]
+    assert [e["checkpoint"] for e in saved] == [os.path.basename(path)] and saved[0]["bytes"] > 0
+
+
+def test_the_last_checkpoint_is_written_before_save_returns(tmp_path):
+    ckpt, reports = make(at(str(tmp_path / "run")))
+    model, optimizer = model_state()
+    assert ckpt.save(state_fn(model, optimizer, epoch=2), {"epoch": 2}, last=True) is None
+    ((metrics, path),) = reports.calls
+    assert ckpt.idle() and os.path.exists(os.path.join(path, MANIFEST_FILE)) and metrics == {"epoch": 2}
+
+
+def test_a_failed_background_upload_is_reported_without_a_checkpoint_and_the_next_saves(tmp_path):
+    bad = Location(fsfaults.short_writes(100), str(tmp_path / "run"), "store://run")
+    reports = Reports()  # checkpoints to a store that keeps short copies; the run log is fine
+    ckpt = Checkpointer(bad, reports.link(), True, RunLog(at(str(tmp_path / "run"))), 2.0)
+    model, optimizer = model_state()
+    ckpt.save(state_fn(model, optimizer, epoch=1), {"epoch": 1})
+    ckpt.wait()
+    ckpt.report_saved()
+    assert reports.calls == [({"epoch": 1}, None)]  # the metrics still count, no checkpoint
+    events = read_jsonl(at(str(tmp_path / "run")).join("events.jsonl"))
+    assert [e["event"] for e in events] == ["checkpoint_failed"] and "does not verify" in events[0]["error"]
+    assert not [d for d in os.listdir(tmp_path / "run") if d.startswith("checkpoint_")]  # nothing half left
+    good = Checkpointer(at(str(tmp_path / "run")), reports.link(), True, RunLog(at(str(tmp_path / "run"))), 2.0)
+    good.save(state_fn(model, optimizer, epoch=2), {"epoch": 2})
+    good.wait()
+    good.report_saved()
+    assert reports.calls[-1][1] is not None
+
+
+def test_synchronous_mode_reports_at_once(tmp_path):
+    ckpt, reports = make(at(str(tmp_path / "run")), asynchronous=False)
+    model, optimizer = model_state()
+    ckpt.save(state_fn(model, optimizer, epoch=1), {"epoch": 1})
+    assert len(reports.calls) == 1 and reports.calls[0][1] is not None and ckpt.idle()
+
+
+def _save_slowly_then_wait(run_dir: str, ready) -> None:
+    """A rank 0 whose second upload is slow (the storage under load) and who is killed during it."""
+    local = at(run_dir)
+    ckpt = Checkpointer(local, Reports().link(), True, RunLog(local), 0.0)
+    model, optimizer = model_state(width=1024)
+    ckpt.save(state_fn(model, optimizer, epoch=1), {"epoch": 1})
+    ckpt.wait()
+    ckpt.report_saved()
+    slow = Location(fsfaults.slow_writes(2.0), run_dir, run_dir)
+    ckpt.store = slow
+    ckpt.save(state_fn(model, optimizer, epoch=2), {"epoch": 2})
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_kill_during_an_upload_leaves_the_previous_checkpoint_the_latest(tmp_path):
+    run_dir = str(tmp_path / "run")
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_save_slowly_then_wait, args=(run_dir, ready))
+    proc.start()
+    assert ready.wait(120)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len([d for d in os.listdir(run_dir) if d.startswith("checkpoint_")]) < 2:
+        time.sleep(0.05)  # the second folder exists: its upload is under way
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(30)
+    folders = sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint_"))
+    assert len(folders) == 2 and not os.path.exists(os.path.join(run_dir, folders[1], MANIFEST_FILE))
+    assert saved_checkpoints(at(run_dir)) == [folders[0]]
+    ckpt, _ = make(at(run_dir))
+    name, state = ckpt.choose(recorded=None)
+    assert name == folders[0] and state["epoch"] == 1
+
+
+def _two_saved(tmp_path) -> tuple[Location, list[str]]:
+    store = at(str(tmp_path / "run"))
+    ckpt, reports = make(store, asynchronous=False)
+    model, optimizer = model_state()
+    for epoch in (1, 2):
+        ckpt.save(state_fn(model, optimizer, epoch=epoch), {"epoch": epoch})
+    return store, [os.path.basename(p) for _, p in reports.calls]
+
+
+def test_resume_falls_back_from_a_damaged_newest_checkpoint(tmp_path):
+    store, (older, newest) = _two_saved(tmp_path)
+    path = os.path.join(store.path, newest, CHECKPOINT_FILE)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 3)
+    ckpt, _ = make(store)
+    name, state = ckpt.choose(recorded=newest)  # even when Ray's record names the damaged one
+    assert name == older and state["epoch"] == 1
+    skipped = [e for e in read_jsonl(store.join("events.jsonl")) if e["event"] == "checkpoint_skipped"]
+    assert [e["checkpoint"] for e in skipped] == [newest] and "bytes short" in skipped[0]["error"]
+
+
+def test_every_checkpoint_damaged_is_one_clear_error(tmp_path):
+    store, names = _two_saved(tmp_path)
+    for name in names:
+        with open(os.path.join(store.path, name, CHECKPOINT_FILE), "r+b") as f:
+            f.truncate(100)
+    ckpt, _ = make(store)
+    with pytest.raises(CheckpointError, match=r"none of this run's 2 checkpoint\(s\) verifies") as e:
+        ckpt.choose(recorded=None)
+    assert "\n" not in str(e.value) and "--resume-from" in str(e.value)
+
+
+def test_no_checkpoint_means_a_fresh_start(tmp_path):
+    ckpt, _ = make(at(str(tmp_path / "run")))
+    assert ckpt.choose(recorded=None) == (None, None)
+    assert ckpt.resume(None, None, "", 1).state is None
