@@ -2,6 +2,7 @@
 request, report and strict JSON without Ray; `scale predict` in a fresh interpreter that must not import
 Ray; the package's import layers; and the communication model on paper."""
 
+import contextlib
 import csv
 import json
 import math
@@ -192,12 +193,13 @@ def test_sigusr1_to_the_driver_stops_the_sweep(tmp_path, monkeypatch, capsys, tr
     def fake_training(point):
         points.append(point)
         os.makedirs(point.run_dir(), exist_ok=True)
-        if train_takes_sigusr1:
-            stop.stop_on_usr1(point.run_dir())  # as train.driver.run_training does
-        os.kill(os.getpid(), signal.SIGUSR1)
-        deadline = time.time() + 10
-        while not stop.requested(point.run_dir()) and time.time() < deadline:
-            time.sleep(0.05)
+        with contextlib.ExitStack() as stack:
+            if train_takes_sigusr1:  # as train.driver.run_training does, for its own run
+                stack.enter_context(stop.stop_on_signals(point.run_dir()))
+            os.kill(os.getpid(), signal.SIGUSR1)
+            deadline = time.time() + 10
+            while not stop.requested(point.run_dir()) and time.time() < deadline:
+                time.sleep(0.05)
         return ExitCode.STOPPED if stop.requested(point.run_dir()) else 0
 
     monkeypatch.setattr(sweep, "connect", lambda cfg: None)
@@ -205,18 +207,12 @@ def test_sigusr1_to_the_driver_stops_the_sweep(tmp_path, monkeypatch, capsys, tr
     monkeypatch.setattr(sweep, "run_training", fake_training)
     monkeypatch.chdir(tmp_path)
     previous = signal.getsignal(signal.SIGUSR1)
-    try:
-        (tmp_path / "results" / "s").mkdir(parents=True)
-        stop.request(str(tmp_path / "results" / "s"))  # left by the previous job: cleared at start
-        rc = main(["--workers", "1,2", *TINY, "--storage-path", "results", "--name", "s"])
-        # Between and after the points, SIGUSR1 is the sweep's again, even where `train` took it.
-        for d in (tmp_path / "results" / "s", tmp_path / "results" / "s" / "w1"):
-            stop.clear(str(d))
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert stop.requested(str(tmp_path / "results" / "s"))
-        assert not stop.requested(str(tmp_path / "results" / "s" / "w1"))
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+    (tmp_path / "results" / "s").mkdir(parents=True)
+    stop.request(str(tmp_path / "results" / "s"))  # left by the previous job: cleared at start
+    rc = main(["--workers", "1,2", *TINY, "--storage-path", "results", "--name", "s"])
+    # the sweep's request reached the point (forwarded, or the point's own handler wrote it)
+    assert stop.requested(str(tmp_path / "results" / "s" / "w1"))
+    assert signal.getsignal(signal.SIGUSR1) is previous  # the sweep gives the signal back
     capsys.readouterr()
     assert rc == ExitCode.STOPPED and len(points) == 1
     # Paths resolved once against the user's directory, the GPU decided once, before any point.

@@ -114,7 +114,7 @@ def test_preemption_requeues_and_resumes_from_the_checkpoint(slurm_cluster, tmp_
     info = job.wait_for(lambda: (lambda i: i if i.get("JobState") == "PENDING" else None)(job.info()),
                         timeout=300, what="the job to be requeued")
     assert info["Restarts"] == "1", info
-    stopped = re.search(r"stopped on request at epoch (\d+) step (\d+)", job.output)
+    stopped = re.search(r"stopped at epoch (\d+) step (\d+)", job.output)
     assert stopped, job.tail()
     stop_epoch, stop_step = int(stopped[1]), int(stopped[2])
     assert stop_epoch == 2  # stopped inside epoch 2, at a step that was checkpointed

@@ -31,6 +31,11 @@ MEANING = {
 }
 
 
+def is_stop(rc: int) -> bool:
+    """Stopped with a checkpoint: on request, Ctrl-C or SIGTERM."""
+    return rc in (ExitCode.STOPPED, ExitCode.INTERRUPTED, ExitCode.TERMINATED)
+
+
 def slurm_action(rc: Optional[int], stop_requested: bool) -> tuple[str, int, str]:
     """What slurm_ray_start.sh does when the driver exits with `rc` (None: the job was asked to
     stop before the driver started): ("requeue", the status to exit with if Slurm refuses the

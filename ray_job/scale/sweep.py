@@ -18,7 +18,7 @@ from typing import Any, Optional
 from .. import storage
 from ..config import TrainConfig, choose_use_gpu
 from ..core.errors import UsageError
-from ..core.exits import ExitCode
+from ..core.exits import ExitCode, is_stop
 from ..storage import read_json
 from ..train import stop
 from ..train.driver import check_storage, run_training, with_default_name
@@ -44,7 +44,12 @@ def run_sweep(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Lin
         stop.clear(sweep_dir)
     except storage.StorageError as e:
         raise UsageError(str(e)) from None
-    stop.stop_on_usr1(sweep_dir)  # what slurm_ray_start.sh sends before the time limit
+    with stop.stop_on_signals(sweep_dir) as signals:  # USR1 (SLURM's time limit), Ctrl-C, SIGTERM
+        return sweep_points(opts, cfg, link, argv, sweep_dir, signals)
+
+
+def sweep_points(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Link], argv: list[str],
+                 sweep_dir: str, signals: stop.Signals) -> int:
     connect(cfg)
     cluster = cluster_info()
     cfg = dataclasses.replace(cfg, use_gpu=choose_use_gpu(cfg.use_gpu, cluster["gpus"]))
@@ -64,16 +69,16 @@ def run_sweep(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Lin
                             profile=profile.to_dict() if profile else None))
     print(write_outputs(sweep))
     print(f"scaling results: {sweep_dir}/{{{SCALING_CSV},{SCALING_JSON},{SCALING_MD},{SCALING_PNG}}}")
-    return exit_code(rows)
+    return exit_code(rows, signals)
 
 
-def exit_code(rows: list[dict]) -> int:
+def exit_code(rows: list[dict], signals: stop.Signals) -> int:
     statuses = {r["status"] for r in rows}
     if statuses & {"preempted", "not run"}:
         print("sweep stopped on request; run the same command (same --name) to finish it: finished "
               "points are reused")
-        return ExitCode.STOPPED
-    return 1 if "failed" in statuses else 0
+        return signals.exit_code
+    return ExitCode.FAILED if "failed" in statuses else ExitCode.DONE
 
 
 def measure_all(cfg: TrainConfig, sweep_dir: str, modes: list[str], counts: list[int]) -> list[dict]:
@@ -87,8 +92,6 @@ def measure_all(cfg: TrainConfig, sweep_dir: str, modes: list[str], counts: list
             continue
         log.info("scale: point %d/%d: %s scaling, %d worker(s)", i, len(plan), mode, n)
         rows.append(measure_point(cfg, sweep_dir, mode, n))
-        # `train` points SIGUSR1 at its own run: point it back at the sweep between points.
-        stop.stop_on_usr1(sweep_dir)
         if rows[-1]["status"] == "preempted":  # asked to stop while running: stop the sweep too
             stop.request(sweep_dir)
     for mode in modes[1:]:
@@ -138,7 +141,7 @@ def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> 
     except Exception as e:  # one broken point must not lose the whole sweep
         log.exception("scale: %s %d worker(s) failed", mode, workers)
         return {**row, "status": "failed", "reason": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-    if rc == ExitCode.STOPPED:
+    if is_stop(rc):
         return {**row, "status": "preempted", "reason": "stopped on request; rerun to measure it"}
     if rc != 0:
         return {**row, "status": "failed", "reason": f"train exited with {rc}; see {point.run_dir()}"}

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -96,17 +97,43 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
 
 
 def run_training(cfg: TrainConfig) -> int:
-    """`python -m ray_job train`: the whole run, from the checks to the summary; the exit code."""
+    """`python -m ray_job train`: the whole run, from the checks to the summary; the exit code.
+
+    The run folder's lease is taken before anything else is written there (one writer per run
+    folder), and from then until the end SIGUSR1, Ctrl-C and SIGTERM are stop requests (stop.py);
+    a second Ctrl-C or SIGTERM aborts at once."""
     started = time.time()
     cfg = preflight(cfg)
     if announce_finished(cfg):
         return ExitCode.DONE
-    open_run_folder(cfg)
-    stop.stop_on_usr1(storage.at(cfg.run_dir()))  # before Ray starts: a USR1 from now on is a request
-    connect(cfg)
-    cfg = start_run(cfg)
-    print("config:\n" + cfg.to_json(), flush=True)
-    return fit_and_summarise(cfg, started)
+    with run_lease(cfg):
+        open_run_folder(cfg)
+        with stop.stop_on_signals(storage.at(cfg.run_dir())) as signals:
+            try:
+                connect(cfg)
+                cfg = start_run(cfg)
+                print("config:\n" + cfg.to_json(), flush=True)
+                return fit_and_summarise(cfg, started, signals=signals)
+            except KeyboardInterrupt:
+                return aborted(cfg, started, signals)
+
+
+@contextlib.contextmanager
+def run_lease(cfg: TrainConfig):
+    """This run holds its folder's lease (storage/lease.py) while the block runs."""
+    from ..storage.lease import Lease
+
+    run_dir = storage.at(cfg.run_dir())
+    try:
+        run_dir.makedirs()
+    except StorageError as e:
+        raise UsageError(str(e)) from None
+    lease = Lease(run_dir)
+    lease.take()
+    try:
+        yield lease
+    finally:
+        lease.give_back()
 
 
 def announce_finished(cfg: TrainConfig) -> bool:
@@ -143,12 +170,14 @@ def start_run(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any] = ()) -> int:
-    """Trains (TorchTrainer.fit, with Ray Train `callbacks`) and writes the summary; the exit code."""
+def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any] = (),
+                      signals: Optional[stop.Signals] = None) -> int:
+    """Trains (TorchTrainer.fit, with Ray Train `callbacks`) and writes the summary; the exit code
+    (a stop request's: `signals` says which)."""
     from ray.train import TrainingFailedError
 
     try:
-        result = build_trainer(cfg, callbacks).fit()
+        result = fit(build_trainer(cfg, callbacks))
     except TrainingFailedError as e:
         reason = " ".join(str(e).split())[:300]  # one line: the error's own text, whitespace folded
         if isinstance(getattr(e, "controller_failure", None), OSError):
@@ -172,20 +201,57 @@ def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any]
     if outcome.get("storage_error"):
         return storage_failed(cfg, started, outcome["storage_error"], latest)
     preempted = bool(outcome.get("preempted"))
+    reason = {"stopped": signals.reason if signals else "a stop request"} if preempted else {}
     try:
         summary = write_summary(cfg, started, finished=not preempted, best_checkpoint=best,
-                                latest_checkpoint=latest)
+                                latest_checkpoint=latest, **reason)
         print(summary_table(cfg))
     except StorageError as e:
         return storage_failed(cfg, started, str(e), latest)
     if preempted:
-        print(f"stopped on request at epoch {outcome['epoch'] + 1} step {outcome['step']}; checkpoint "
-              f"saved. Run the same command again to continue.")
-        return ExitCode.STOPPED
+        print(f"stopped at epoch {outcome['epoch'] + 1} step {outcome['step']} ({reason['stopped']}); "
+              f"checkpoint saved. Run the same command again to continue.")
+        return signals.exit_code if signals else ExitCode.STOPPED
     best_acc = summary["best_test_acc"]
     print(f"results: {cfg.run_dir()}\nbest checkpoint: {summary['best_checkpoint']} (test accuracy "
           f"{'-' if best_acc is None else f'{best_acc:.4f}'})")
     return ExitCode.DONE
+
+
+def fit(trainer):
+    """TorchTrainer.fit(), on a thread when called from the main thread: Ray Train then installs no
+    SIGINT handler of its own, and Ctrl-C stays a stop request (the main thread keeps ours)."""
+    if threading.current_thread() is not threading.main_thread():
+        return trainer.fit()
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:  # raised again in the main thread
+            box["error"] = e
+    thread = threading.Thread(target=run, name="fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def aborted(cfg: TrainConfig, started: float, signals: stop.Signals) -> int:
+    """A second Ctrl-C or SIGTERM: no waiting for the checkpoint at the current step; the workers
+    end with this driver, and the last complete checkpoint stays the one to continue from."""
+    import ray
+
+    latest = latest_checkpoint(cfg)
+    with contextlib.suppress(StorageError):
+        write_summary(cfg, started, finished=False, stopped=f"{signals.reason}, aborted", latest_checkpoint=latest)
+    ray.shutdown()
+    saved = f"the last complete checkpoint is {latest}" if latest else "no checkpoint was complete yet"
+    print(f"error: aborted by a second {signals.reason} without a new checkpoint; {saved}. Run the same "
+          f"command again to continue from it.", file=sys.stderr)
+    return signals.exit_code
 
 
 def resources_lost(cfg: TrainConfig, started: float) -> int:

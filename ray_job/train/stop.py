@@ -3,8 +3,8 @@ limit, Ctrl-C).
 
 The protocol, all of it here:
   - asking:  `request(run_dir)` writes <run>/.preempt (a local folder or an object store); the
-             driver does it on SIGUSR1 (`stop_on_usr1`), which is what slurm_ray_start.sh sends on
-             SLURM's pre-timeout signal; a user may also create the file by hand;
+             driver does it on SIGUSR1 (what slurm_ray_start.sh sends on SLURM's pre-timeout
+             signal), Ctrl-C and SIGTERM (`stop_on_signals`); a user may also create the file;
   - a new start clears a request left by the previous (requeued) run: `clear(run_dir)`;
   - a sweep forwards its own request to the point that is running: `forward(sweep, point)`;
   - the workers look for it through their step control (control.py), which answers STOP at the
@@ -20,6 +20,7 @@ import threading
 import time
 
 from .. import storage
+from ..core.exits import ExitCode
 from ..storage import Where
 from .runfiles import STOP_FILE
 
@@ -43,20 +44,61 @@ def clear(run_dir: Where) -> None:
     path(run_dir).delete()
 
 
-def stop_on_usr1(run_dir: Where) -> None:
-    """SIGUSR1 (SLURM's pre-timeout signal, forwarded by slurm_ray_start.sh) requests a stop.
+# What each signal is, to the user and to the exit code (core/exits.py).
+SIGNALS = {signal.SIGUSR1: ("SIGUSR1", ExitCode.STOPPED), signal.SIGINT: ("Ctrl-C", ExitCode.INTERRUPTED),
+           signal.SIGTERM: ("SIGTERM", ExitCode.TERMINATED)}
 
-    The request is written at once; if the storage fails just then, a thread keeps trying."""
-    def handler(signum, frame):
+
+class Signals:
+    """What the signals of one run asked for: the first SIGUSR1 (SLURM's pre-timeout signal, sent
+    on by slurm_ray_start.sh), SIGINT (Ctrl-C) or SIGTERM (`ray job stop`, a terminal closing)
+    writes the stop request -- the workers checkpoint where they are and stop; a second SIGINT or
+    SIGTERM aborts at once (KeyboardInterrupt in the main thread). `exit_code` says how to end."""
+
+    def __init__(self, run_dir: Where):
+        self.run_dir, self.first = run_dir, None
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return SIGNALS[self.first][1] if self.first is not None else ExitCode.STOPPED
+
+    @property
+    def reason(self) -> str:
+        return SIGNALS[self.first][0] if self.first is not None else "a stop request"
+
+    def handle(self, signum, frame) -> None:
+        if self.first is not None:
+            if signum != signal.SIGUSR1:
+                raise KeyboardInterrupt(f"second {SIGNALS[signum][0]}")
+            return
+        self.first = signum
+        again = "" if signum == signal.SIGUSR1 else f" ({SIGNALS[signum][0]} again to abort at once)"
         try:
-            request(run_dir)
+            request(self.run_dir)
         except storage.StorageError as e:
-            log.warning("SIGUSR1: cannot write the stop request yet (%s); retrying", e)
-            threading.Thread(target=_request_until_written, args=(run_dir,), name="stop-request",
+            log.warning("%s: cannot write the stop request yet (%s); retrying", SIGNALS[signum][0], e)
+            threading.Thread(target=_request_until_written, args=(self.run_dir,), name="stop-request",
                              daemon=True).start()
             return
-        log.info("SIGUSR1: asked the workers to checkpoint and stop")
-    signal.signal(signal.SIGUSR1, handler)
+        log.info("%s: asked the workers to checkpoint and stop%s", SIGNALS[signum][0], again)
+
+
+@contextlib.contextmanager
+def stop_on_signals(run_dir: Where, signums=tuple(SIGNALS)):
+    """While the block runs, these signals are stop requests (see Signals); the previous handlers
+    come back after it (a sweep's own, between its points)."""
+    signals = Signals(run_dir)
+    previous = {s: signal.signal(s, signals.handle) for s in signums}
+    try:
+        yield signals
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def stop_on_usr1(run_dir: Where) -> None:
+    """SIGUSR1 alone is a stop request from now on (the sweep's own handler)."""
+    signal.signal(signal.SIGUSR1, Signals(run_dir).handle)
 
 
 def _request_until_written(run_dir: Where, every_s: float = 2.0) -> None:
@@ -66,7 +108,7 @@ def _request_until_written(run_dir: Where, every_s: float = 2.0) -> None:
             request(run_dir)
         except storage.StorageError:
             continue
-        log.info("SIGUSR1: stop request written; asked the workers to checkpoint and stop")
+        log.info("stop request written; asked the workers to checkpoint and stop")
         return
 
 

@@ -4,6 +4,7 @@ holds, and building the TorchTrainer (scaling, storage, retention, failure handl
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 import os
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ def connect(cfg: TrainConfig) -> None:
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     # Read by Ray Train's controller: how long a worker group may wait for its resources.
-    wait_s = min(cfg.resource_wait_s, ELASTIC_START_TIMEOUT_S) if cfg.min_workers else cfg.resource_wait_s
+    wait_s = start_timeout_s(cfg)
     runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{wait_s:g}"}}
     if address:
         log.info("joining the Ray cluster at %s", address)
@@ -118,7 +119,8 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
     # TIMEOUT_S (= --resource-wait-s, set in connect) for the workers; then the controller gives
     # up at once (limit 0) and the driver exits 5. Elastic: Ray Train starts with whatever fits
     # between min and max and restarts the group (from the latest checkpoint) when nodes go or
-    # come back; a start that times out (a size a dying node seemed to offer) is decided again.
+    # come back; a start that times out (a size a dying node seemed to offer) is decided again,
+    # up to start_tries(): below --min-workers for --resource-wait-s, the driver exits 5 too.
     workers = (cfg.min_workers, cfg.num_workers) if cfg.min_workers else cfg.num_workers
     return TorchTrainer(
         train_loop_per_worker,
@@ -133,10 +135,24 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
             storage_filesystem=storage.for_ray(root, cfg.retry_storage_s),
             checkpoint_config=CheckpointConfig(**Checkpointer.retention(cfg.keep_checkpoints)),
             failure_config=FailureConfig(max_failures=cfg.max_failures,
-                                         controller_failure_limit=-1 if cfg.min_workers else 0),
+                                         controller_failure_limit=start_tries(cfg) - 1),
             callbacks=list(callbacks),
         ),
     )
+
+
+def start_timeout_s(cfg: TrainConfig) -> float:
+    """How long one start of the worker group waits for its resources (Ray Train's
+    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S): --resource-wait-s for a fixed size; an elastic start
+    may try a size that a lost node still seems to offer, so each try is shorter."""
+    return min(cfg.resource_wait_s, ELASTIC_START_TIMEOUT_S) if cfg.min_workers else cfg.resource_wait_s
+
+
+def start_tries(cfg: TrainConfig) -> int:
+    """Timed-out starts allowed before the driver gives up (exit 5): one for a fixed size; elastic:
+    enough tries to wait --resource-wait-s in all below --min-workers (over the whole run: Ray Train
+    does not reset its count)."""
+    return max(1, math.ceil(cfg.resource_wait_s / start_timeout_s(cfg)))
 
 
 def backend(cfg: TrainConfig) -> Optional[str]:

@@ -36,6 +36,6 @@ from .sources import Source, cifar10_source, imagefolder_source
 from .stage import cache_root, local_folder, remote_manifest, stage
 from .write import ensure_prepared, write_prepared
 
-__all__ = ["DEFAULT_SHARD_MB", "MANIFEST", "META_KEY", "PreparedImages", "sha256", "Source", "cache_root", "cifar10_source",
-           "ensure_prepared", "files_complete", "imagefolder_source", "local_folder", "open_manifest",
+__all__ = ["DEFAULT_SHARD_MB", "MANIFEST", "META_KEY", "PreparedImages", "sha256", "Source", "cache_root",
+           "cifar10_source", "ensure_prepared", "files_complete", "imagefolder_source", "local_folder", "open_manifest",
            "read_manifest", "remote_manifest", "stage", "write_prepared"]
