@@ -200,7 +200,7 @@ def announce(run: Run, resume: Resume) -> None:
 
 
 def build_run(cfg: TrainConfig, data: Datasets, resume: Resume, rank: int, world: int,
-              store: storage.Location) -> Run:
+              store: storage.Location, files: Optional[RunLog]) -> Run:
     """Loaders, model (placed, wrapped, restored), optimizer and the LR schedule at the resumed
     position: everything a worker trains with."""
     from .checkpoint import restore_training_state
@@ -223,7 +223,7 @@ def build_run(cfg: TrainConfig, data: Datasets, resume: Resume, rank: int, world
         model = torch.compile(model)
     return Run(cfg, model, optimizer, scheduler, train_loader, test_loader, device, speed, world, steps,
                data.device_augment, data.what, is_rank0=rank == 0, store=store,
-               files=RunLog(store) if rank == 0 else None)
+               files=files)
 
 
 def preprocess_for(run: Run):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from ..storage import Location, StorageError
 from .checkpoint import (CHECKPOINT_FILE, CheckpointError, load_checkpoint, training_state, upload_checkpoint,
                          write_state)
 from .runfiles import CHECKPOINT_PREFIX, EVENTS_JSONL, Event
-from .runlog import RunLog
+from .runlog import CKPT_PREFIX, RunLog, temp_folder
 from .uploader import Upload, snapshot
 
 log = logging.getLogger("ray_job")
@@ -138,7 +137,7 @@ class Checkpointer:
         """(the saved folder's path on the storage, None) or (None, why it was not saved)."""
         dest = self.store.join(name)
         position = where(state["epoch"], state["step"])
-        with tempfile.TemporaryDirectory(prefix="rj_ckpt_") as d:
+        with temp_folder(CKPT_PREFIX) as d:
             write_state(d, state)
             nbytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
             started = time.perf_counter()

@@ -35,7 +35,9 @@ def csv_text(rows: list[dict], keys: list[str]) -> str:
     return out.getvalue()
 
 
-TB_PREFIX = "rj_tb_"  # temporary TensorBoard folders (object storage only): rj_tb_<pid>_<random>
+# Temporary folders of rank 0, named <prefix><pid>_<random> so that what a killed worker left is found:
+TB_PREFIX = "rj_tb_"      # TensorBoard's files before they are copied to object storage
+CKPT_PREFIX = "rj_ckpt_"  # a checkpoint being written before its upload
 
 
 class RunLog:
@@ -61,7 +63,7 @@ class RunLog:
         self._failing: Optional[str] = None    # the error of the last failed write, if failing
         self._tb = None
         self._tb_dir: Optional[str] = None      # a temporary folder (object storage) or None
-        remove_stale_tensorboard_folders()
+        remove_stale_temp_folders()
 
     def _existing_lines(self, name: str) -> list[str]:
         try:
@@ -180,12 +182,18 @@ class RunLog:
             return None
 
 
-def remove_stale_tensorboard_folders() -> None:
-    """Temporary TensorBoard folders of processes that are gone (a killed worker left them)."""
+def temp_folder(prefix: str) -> tempfile.TemporaryDirectory:
+    """A temporary folder of this process that remove_stale_temp_folders() can tell is ours."""
+    return tempfile.TemporaryDirectory(prefix=f"{prefix}{os.getpid()}_")
+
+
+def remove_stale_temp_folders() -> None:
+    """Temporary folders of ours whose process is gone (a killed worker left them)."""
     root = tempfile.gettempdir()
     for name in os.listdir(root):
-        if not name.startswith(TB_PREFIX):
+        prefix = next((p for p in (TB_PREFIX, CKPT_PREFIX) if name.startswith(p)), None)
+        if prefix is None:
             continue
-        pid = name[len(TB_PREFIX):].split("_", 1)[0]
+        pid = name[len(prefix):].split("_", 1)[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)

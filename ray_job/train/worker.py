@@ -35,6 +35,7 @@ from .engine import EpochSteps, evaluate, measure_comm_wait
 from .metrics import EpochMetrics
 from .progress import Progress
 from .runfiles import Event
+from .runlog import RunLog
 
 log = logging.getLogger("ray_job")
 
@@ -60,7 +61,8 @@ def train_loop_per_worker(config: dict) -> dict:
     torch.manual_seed(cfg.seed + rank)
     torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
     store = run_store(cfg)
-    checkpointer = Checkpointer(store, ray_link(), rank == 0, None, cfg.retry_storage_s, cfg.async_checkpoints)
+    files = RunLog(store) if rank == 0 else None  # rank 0's writer of the run folder
+    checkpointer = Checkpointer(store, ray_link(), rank == 0, files, cfg.retry_storage_s, cfg.async_checkpoints)
     # Bad input found here (data, checkpoint) is no fault a restart fixes: every rank learns of
     # it before the first collective of DDP, and the run ends at once with the driver's error.
     error, data, resume = None, None, Resume()
@@ -72,8 +74,7 @@ def train_loop_per_worker(config: dict) -> dict:
     error = first_error(error, world)
     if error:
         return {"usage_error": error}
-    run = build_run(cfg, data, resume, rank, world, store)
-    checkpointer.files = run.files
+    run = build_run(cfg, data, resume, rank, world, store, files)
     log_topology(run, dist.get_backend() if dist.is_initialized() else "none (1 worker)")
     return fit(run, resume, checkpointer)
 
