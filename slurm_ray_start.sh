@@ -28,7 +28,7 @@
 # Knobs: RJ_PYTHON (python), RJ_STORAGE_PATH, RJ_RUN_NAME, RJ_LOG_DIR, RJ_CLUSTER_TIMEOUT (300),
 # RJ_PREEMPT_GRACE (240), RJ_STOP_TIMEOUT (30), RJ_PORT_BASE (20000), RJ_PORT_MAX (32767),
 # RJ_TMP_ROOT (/tmp), RJ_HEAD_IP, RJ_DASHBOARD (1), RJ_START_ARGS, RJ_WORKER_START_ARGS,
-# RJ_NODE_RESTARTS (3): docs/slurm.md says what each does.
+# RJ_NODE_RESTARTS (3), RJ_NODE_RESTART_S (10): docs/slurm.md says what each does.
 set -euo pipefail
 
 RJ_PYTHON=${RJ_PYTHON:-python}
@@ -43,6 +43,7 @@ RJ_DASHBOARD=${RJ_DASHBOARD:-1}
 RJ_START_ARGS=${RJ_START_ARGS:-}
 RJ_WORKER_START_ARGS=${RJ_WORKER_START_ARGS:-}
 RJ_NODE_RESTARTS=${RJ_NODE_RESTARTS:-3}
+RJ_NODE_RESTART_S=${RJ_NODE_RESTART_S:-10}
 
 JOB_ID="" RESTART_COUNT=0 LOG_DIR="" CPUS_PER_NODE=1 GPUS_PER_NODE=0 MODE=train
 STORAGE_PATH="" RUN_NAME="" WANT_GPU=0  # set by plan_job from ray_job.commands.slurm_plan
@@ -164,15 +165,15 @@ start_cluster() {
 }
 
 # A worker node's Ray that ended while the job goes on (OOM killer, a crashed raylet) is started
-# again on the same node, up to RJ_NODE_RESTARTS times, 10 s after the end and then twice as long
-# each time; Ray Train gives the run its workers back (elastic: at its next resize check).
+# again on the same node, up to RJ_NODE_RESTARTS times, RJ_NODE_RESTART_S after the end and then
+# twice as long each time; Ray Train gives the run its workers back (elastic: at its next resize check).
 supervise_nodes() {
   local i
   for ((i = 1; i < ${#NODES[@]}; i++)); do
     kill -0 "${NODE_PIDS[i]}" 2>/dev/null && continue
     if ((NODE_RETRY_AT[i] == 0)); then
       wait "${NODE_PIDS[i]}" 2>/dev/null || true
-      NODE_RETRY_AT[i]=$((SECONDS + (10 << NODE_RESTARTS[i])))
+      NODE_RETRY_AT[i]=$((SECONDS + (RJ_NODE_RESTART_S << NODE_RESTARTS[i])))
       log "Ray on ${NODES[i]} ended while the job runs; last lines of $LOG_DIR/${NODES[i]}.log:"
       tail -n 15 "$LOG_DIR/${NODES[i]}.log" >&2 || true
       ((NODE_RESTARTS[i] < RJ_NODE_RESTARTS)) || log "not starting Ray on ${NODES[i]} again: it was restarted $RJ_NODE_RESTARTS times (RJ_NODE_RESTARTS)"

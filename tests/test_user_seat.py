@@ -8,8 +8,9 @@ the printed progress and final table, and the files in ./results/<name>/ that th
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 from ray_job.data.cifar10 import write_cifar10
 from ray_job.data.synthetic import make_synthetic
 
-from conftest import README_FILES, jpeg_folder, run_cli, strict_file, table_rows, user_env
+from conftest import README_FILES, Running, jpeg_folder, run_cli, strict_file, table_rows
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -88,45 +89,83 @@ def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_
         str(user_dir / ckpt)
 
 
-def test_stop_request_in_the_users_folder_then_the_same_command_continues(user_dir):
-    args = ["--data", "synthetic", "--synthetic-train-size", "2048", "--synthetic-test-size", "128",
-            "--storage-path", "results", "--name", "stopme", "--num-workers", "2", "--epochs", "1",
-            *MODEL]
-    run_dir = user_dir / "results" / "stopme"
-    proc = subprocess.Popen([sys.executable, "-m", "ray_job", "train", *args], cwd=user_dir,
-                            env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 400
-        while time.time() < deadline and not (run_dir / "events.jsonl").exists():
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            time.sleep(0.2)
-        (run_dir / ".preempt").write_text("asked by hand, as the README says")  # relative to me
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 3, out[-3000:]
-    assert "Run the same command again to continue" in out
-    assert not (run_dir / "metrics.jsonl").exists() or not strict_file(run_dir / "metrics.jsonl")
-    summary = strict_file(run_dir / "summary.json")
-    assert not summary["finished"] and summary["latest_checkpoint"]
+def _ours(proc) -> list:
+    """The processes a run started (its local Ray cluster included): its session's."""
+    import psutil
 
-    again = train(user_dir, *args)
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.pid != proc.pid and os.getsid(p.pid) == proc.pid:
+                found.append(p)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    return found
+
+
+def test_ctrl_c_checkpoints_where_it_is_and_the_same_command_continues(user_dir, ray_cluster):
+    """Ctrl-C (SIGINT to the terminal's process group) during epoch 2 of the README's command: exit
+    130 with the line that says what was kept, summary.json says interrupted, nothing left running;
+    then Ctrl-C twice: aborted at once, the previous checkpoint intact; a stop request written by
+    hand (.preempt, as the README says): exit 3; and the same command once more continues at the
+    saved step and finishes."""
+    args = ["train", "--data", "synthetic", "--synthetic-train-size", "2048", "--synthetic-test-size", "128",
+            "--storage-path", "results", "--name", "stopme", "--num-workers", "2", "--epochs", "2",
+            *MODEL, "--log-every", "2"]
+    run_dir = user_dir / "results" / "stopme"
+    first = Running(*args, cwd=user_dir)  # its own local cluster, as the README's command starts
+    first.wait_for(lambda: "Epoch [2/2], Step [4/" in first.out, timeout=400)
+    first.signal_group(signal.SIGINT)
+    interrupted = time.monotonic()
+    assert first.finish() == 130, first.out[-4000:]
+    stopped = re.search(r"stopped at epoch 2 step (\d+) \(Ctrl-C\); checkpoint saved. Run the same "
+                        r"command again to continue.", first.out)
+    assert stopped, first.out[-3000:]
+    print(f"\nCtrl-C: exit 130 {time.monotonic() - interrupted:.1f} s later, at epoch 2 step {stopped[1]}")
+    summary = strict_file(run_dir / "summary.json")
+    assert not summary["finished"] and summary["stopped"] == "Ctrl-C" and summary["latest_checkpoint"]
+    assert load_state(summary["latest_checkpoint"])[:2] == (1, int(stopped[1]))
+    assert not _ours(first.proc) and not (run_dir / ".lease.json").exists()
+
+    second = Running(*args, cwd=user_dir)
+    second.wait_for(lambda: "Step [" in second.out, timeout=400)
+    second.signal_group(signal.SIGINT)
+    time.sleep(0.5)
+    second.signal_group(signal.SIGINT)
+    assert second.finish(timeout=60) == 130, second.out[-3000:]
+    assert "aborted by a second Ctrl-C" in second.out and summary["latest_checkpoint"] in second.out
+    assert not _ours(second.proc)
+    assert load_state(summary["latest_checkpoint"])[:2] == (1, int(stopped[1]))  # intact
+
+    third = Running(*args, cwd=user_dir, env=ray_cluster.user_env())
+    third.wait_for(lambda: (run_dir / "events.jsonl").exists() and "Step [" in third.out, timeout=400)
+    (run_dir / ".preempt").write_text("asked by hand, as the README says")  # relative to me
+    assert third.finish() == 3, third.out[-3000:]
+    assert "Run the same command again to continue" in third.out
+
+    again = run_cli(*args, cwd=user_dir, env=ray_cluster.user_env())
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     resumed = [e for e in strict_file(run_dir / "events.jsonl") if e["event"] == "resumed"]
-    assert resumed and resumed[0]["epoch"] == 0 and 0 < resumed[0]["step"] < 32
-    assert [r["epoch"] for r in strict_file(run_dir / "metrics.jsonl")] == [1]
+    assert resumed[0] == {**resumed[0], "epoch": 1, "step": int(stopped[1])}  # at the exact step
+    assert [r["epoch"] for r in strict_file(run_dir / "metrics.jsonl")] == [1, 2]
     assert not (run_dir / ".preempt").exists()
 
 
-def test_bad_data_only_the_workers_read_ends_the_run_at_once(user_dir):
+def load_state(path) -> tuple:
+    from ray_job.train.checkpoint import load_checkpoint
+
+    state = load_checkpoint(path)
+    return state["epoch"], state["step"]
+
+
+def test_bad_data_only_the_workers_read_ends_the_run_at_once(user_dir, ray_cluster):
     """The driver checks the small test file; a corrupt train file is found by every worker.
     That is bad input, not a fault: one line, exit 2, no worker-group restarts."""
     (user_dir / "data" / "cifar-10-batches-py" / "data_batch_3").write_bytes(b"not a pickle")
     start = time.time()
-    proc = train(user_dir, "--data", "cifar10", "--data-dir", "data", "--no-download",
-                 "--storage-path", "results", "--name", "bad", "--num-workers", "2",
-                 "--max-failures", "3", "--epochs", "1", *MODEL)
+    proc = run_cli("train", "--data", "cifar10", "--data-dir", "data", "--no-download",
+                   "--storage-path", "results", "--name", "bad", "--num-workers", "2",
+                   "--max-failures", "3", "--epochs", "1", *MODEL, cwd=user_dir, env=ray_cluster.user_env())
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "data_batch_3" in errors[0] and "HINT" in errors[0], proc.stderr[-2000:]
@@ -136,7 +175,7 @@ def test_bad_data_only_the_workers_read_ends_the_run_at_once(user_dir):
     print(f"bad data found by the workers: exit 2 after {time.time() - start:.1f} s")
 
 
-def test_own_jpegs_of_any_size_prepare_then_train_from_the_users_folder(tmp_path):
+def test_own_jpegs_of_any_size_prepare_then_train_from_the_users_folder(tmp_path, ray_cluster):
     """The README's "Your own data" road: a folder of JPEGs of random sizes (100-500 px) ->
     prepare-data (twice: the second finds it ready) -> train --data prepared at --image-size 64."""
     home = tmp_path / "me"
@@ -155,9 +194,10 @@ def test_own_jpegs_of_any_size_prepare_then_train_from_the_users_folder(tmp_path
     assert again.returncode == 0 and "already prepared" in again.stdout and "nothing to do" in again.stdout
     assert sorted(os.listdir(home / "prepared")) == ["manifest.json", "test-00000.arrow", "train-00000.arrow"]
 
-    proc = train(home, "--data", "prepared", "--data-dir", "./prepared", "--image-size", "64",
-                 "--stem", "imagenet", "--model", "resnet18", "--batch-size", "48", "--lr", "0.05",
-                 "--num-workers", "2", "--epochs", "2", "--storage-path", "results", "--log-every", "2")
+    proc = run_cli("train", "--data", "prepared", "--data-dir", "./prepared", "--image-size", "64",
+                   "--stem", "imagenet", "--model", "resnet18", "--batch-size", "48", "--lr", "0.05",
+                   "--num-workers", "2", "--epochs", "2", "--storage-path", "results", "--log-every", "2",
+                   cwd=home, env=ray_cluster.user_env())
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "data: prepared, decoded and resized to 64 px in the loader" in out

@@ -61,6 +61,8 @@ class TrainConfig:
         "capacity returns (each resize restarts the group from the latest checkpoint; the batch rule of "
         "--batch-mode applies to the new world size; below N workers for longer than --resource-wait-s the "
         "driver exits 5); 0 = a fixed size", "cluster", affects_result=False)
+    grow_check_s: float = _opt(60.0, "elastic: how often Ray Train looks whether more workers fit again "
+                               "(a node back), to grow the group to them", "cluster", affects_result=False)
     use_gpu: Optional[bool] = _opt(None, "train on GPUs (default: yes when the cluster has GPUs)", "cluster",
                                    bool_flag=True, negative_alias="--no-gpu")
     cpus_per_worker: float = _opt(1.0, "CPUs reserved per worker (also its torch thread count)", "cluster")
@@ -188,8 +190,8 @@ class TrainConfig:
             raise UsageError("--cpus-per-worker and --gpus-per-worker must be positive")
         if self.label_smoothing >= 1:
             raise UsageError("--label-smoothing must be below 1")
-        if self.resource_wait_s <= 0 or self.collective_timeout_s <= 0:
-            raise UsageError("--resource-wait-s and --collective-timeout-s must be positive")
+        if self.resource_wait_s <= 0 or self.collective_timeout_s <= 0 or self.grow_check_s <= 0:
+            raise UsageError("--resource-wait-s, --collective-timeout-s and --grow-check-s must be positive")
         if self.min_workers and self.num_workers and self.min_workers > self.num_workers:
             raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers "
                              f"{self.num_workers}; give --min-workers <= --num-workers")

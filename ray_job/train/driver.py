@@ -29,7 +29,7 @@ from . import stop
 from .checkpoint import load_checkpoint
 from .runfiles import CONFIG_JSON
 from .summary import finished_summary, latest_checkpoint, summary_table, write_summary
-from .trainer import build_trainer, connect, missing_resources, resolve_workers
+from .trainer import BelowMinimum, build_trainer, connect, missing_resources, resolve_workers
 
 
 def with_default_name(cfg: TrainConfig) -> TrainConfig:
@@ -177,7 +177,9 @@ def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any]
     from ray.train import TrainingFailedError
 
     try:
-        result = fit(build_trainer(cfg, callbacks))
+        result = fit(build_trainer(cfg, callbacks), BelowMinimum(cfg) if cfg.min_workers else None)
+    except ResourcesLost:
+        return resources_lost(cfg, started)
     except TrainingFailedError as e:
         reason = " ".join(str(e).split())[:300]  # one line: the error's own text, whitespace folded
         if isinstance(getattr(e, "controller_failure", None), OSError):
@@ -218,10 +220,15 @@ def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any]
     return ExitCode.DONE
 
 
-def fit(trainer):
+class ResourcesLost(Exception):
+    """The cluster has held fewer workers than the run needs for too long."""
+
+
+def fit(trainer, watch=None, every_s: float = 5.0):
     """TorchTrainer.fit(), on a thread when called from the main thread: Ray Train then installs no
-    SIGINT handler of its own, and Ctrl-C stays a stop request (the main thread keeps ours)."""
-    if threading.current_thread() is not threading.main_thread():
+    SIGINT handler of its own, and Ctrl-C stays a stop request (the main thread keeps ours).
+    `watch()` is asked every `every_s` meanwhile; a reason from it ends the wait (ResourcesLost)."""
+    if threading.current_thread() is not threading.main_thread() and watch is None:
         return trainer.fit()
     box: dict = {}
 
@@ -232,8 +239,13 @@ def fit(trainer):
             box["error"] = e
     thread = threading.Thread(target=run, name="fit", daemon=True)
     thread.start()
+    looked = time.monotonic()
     while thread.is_alive():
         thread.join(0.5)
+        if watch is not None and time.monotonic() - looked >= every_s:
+            looked = time.monotonic()
+            if thread.is_alive() and watch():
+                raise ResourcesLost()
     if "error" in box:
         raise box["error"]
     return box["result"]

@@ -4,9 +4,9 @@ holds, and building the TorchTrainer (scaling, storage, retention, failure handl
 from __future__ import annotations
 
 import dataclasses
-import math
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -20,7 +20,7 @@ from .checkpointer import Checkpointer
 log = logging.getLogger("ray_job.driver")
 # An elastic run may try a size that a lost node still seems to offer (the GCS takes a few
 # heartbeats to mark it dead); each try waits this long before Ray Train decides again.
-ELASTIC_START_TIMEOUT_S = 60.0
+ELASTIC_START_TIMEOUT_S = 30.0
 
 
 def connect(cfg: TrainConfig) -> None:
@@ -119,8 +119,8 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
     # TIMEOUT_S (= --resource-wait-s, set in connect) for the workers; then the controller gives
     # up at once (limit 0) and the driver exits 5. Elastic: Ray Train starts with whatever fits
     # between min and max and restarts the group (from the latest checkpoint) when nodes go or
-    # come back; a start that times out (a size a dying node seemed to offer) is decided again,
-    # up to start_tries(): below --min-workers for --resource-wait-s, the driver exits 5 too.
+    # come back; a start that times out (a size a dying node seemed to offer) is decided again.
+    # Below --min-workers for --resource-wait-s the driver gives up too (BelowMinimum).
     workers = (cfg.min_workers, cfg.num_workers) if cfg.min_workers else cfg.num_workers
     return TorchTrainer(
         train_loop_per_worker,
@@ -128,14 +128,15 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
         # timeout_s: a stuck collective fails the step (gloo; NCCL's watchdog) instead of hanging
         torch_config=TorchConfig(backend=backend(cfg), timeout_s=int(cfg.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=bool(cfg.use_gpu),
-                                     resources_per_worker=resources),
+                                     resources_per_worker=resources,
+                                     elastic_resize_monitor_interval_s=cfg.grow_check_s),
         run_config=RunConfig(
             name=cfg.name,
             storage_path=root.path,
             storage_filesystem=storage.for_ray(root, cfg.retry_storage_s),
             checkpoint_config=CheckpointConfig(**Checkpointer.retention(cfg.keep_checkpoints)),
             failure_config=FailureConfig(max_failures=cfg.max_failures,
-                                         controller_failure_limit=start_tries(cfg) - 1),
+                                         controller_failure_limit=-1 if cfg.min_workers else 0),
             callbacks=list(callbacks),
         ),
     )
@@ -148,11 +149,25 @@ def start_timeout_s(cfg: TrainConfig) -> float:
     return min(cfg.resource_wait_s, ELASTIC_START_TIMEOUT_S) if cfg.min_workers else cfg.resource_wait_s
 
 
-def start_tries(cfg: TrainConfig) -> int:
-    """Timed-out starts allowed before the driver gives up (exit 5): one for a fixed size; elastic:
-    enough tries to wait --resource-wait-s in all below --min-workers (over the whole run: Ray Train
-    does not reset its count)."""
-    return max(1, math.ceil(cfg.resource_wait_s / start_timeout_s(cfg)))
+class BelowMinimum:
+    """Elastic runs: Ray Train waits without a time limit while fewer than --min-workers fit. This
+    is asked every few seconds during fit(); once the cluster has held fewer than --min-workers for
+    --resource-wait-s, it says what is missing (and the driver gives up: exit 5, as a fixed-size run
+    does)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg, self.since = cfg, None
+
+    def __call__(self) -> Optional[str]:
+        fits = workers_that_fit(self.cfg.cpus_per_worker, self.cfg.gpus_per_worker if self.cfg.use_gpu else 0)
+        if fits >= self.cfg.min_workers:
+            self.since = None
+            return None
+        now = time.monotonic()
+        self.since = self.since or now
+        if now - self.since < self.cfg.resource_wait_s:
+            return None
+        return f"below --min-workers {self.cfg.min_workers} for {self.cfg.resource_wait_s:g} s"
 
 
 def backend(cfg: TrainConfig) -> Optional[str]:
