@@ -42,6 +42,7 @@ def test_outside_slurm_it_says_how_to_submit(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing created
 
 
+@pytest.mark.slurm
 @pytest.mark.timeout(120)
 def test_cpu_only_cluster_takes_the_documented_sbatch_form(tmp_path):
     """On a cluster without GPUs sbatch refuses the script's --gpus-per-node=1 default; the form
@@ -79,10 +80,14 @@ def test_bad_input_fails_fast_with_a_hint(slurm_cluster, tmp_path, args, message
     job.assert_cleaned_up()
 
 
-@pytest.mark.timeout(600)
-def test_two_node_training_runs_to_completion(slurm_cluster, tmp_path):
-    job = Job(slurm_cluster, tmp_path, ["train", *TINY, "--epochs", "2"])
-
+@pytest.mark.timeout(900)
+def test_two_jobs_on_the_nodes_one_preempted_and_resumed_one_cancelled(slurm_cluster, tmp_path):
+    """Two jobs train on the same two nodes at once, each with its own Ray cluster (one Ray node per
+    SLURM node, its own ports and token). `scancel` of one stops every process of it on both nodes
+    within RJ_STOP_TIMEOUT. The other gets SLURM's pre-timeout signal (USR1) in epoch 2: it
+    checkpoints at the step, requeues itself, resumes at exactly that step and completes."""
+    job = Job(slurm_cluster, tmp_path / "a", ["train", *TINY, "--epochs", "2"])
+    other = Job(slurm_cluster, tmp_path / "b", ["train", *TINY, "--epochs", "3", "--synthetic-train-size", "1536"])
     first = job.wait_for(lambda: [e for e in job.events() if e["event"] == "first_step"],
                          timeout=400, what="the first training step")
     # While it runs: the job's Ray token (head's copy and the user's copy) is private to the user.
@@ -90,26 +95,13 @@ def test_two_node_training_runs_to_completion(slurm_cluster, tmp_path):
     for token in (Path(f"/tmp/rj{job.id}/token"), user_copy):
         assert stat.S_IMODE(token.stat().st_mode) == 0o600, token
     assert stat.S_IMODE(Path(f"/tmp/rj{job.id}").stat().st_mode) == 0o700
+    print(f"\n2-node SLURM job {job.id}: sbatch -> first step {first[0]['time'] - job.submitted:.1f} s")
+    nodes, gcs = job.info()["NodeList"], re.search(r"GCS (\S+),", job.output)[1]
 
-    info = job.wait_done(timeout=400)
-    assert info["JobState"] == "COMPLETED", job.tail()
-    assert_two_node_run(job, epochs=2)
-    head_ip = job.cluster.node_addr("node1")
-    assert re.search(rf"dashboard / job server: http://{re.escape(head_ip)}:\d+", job.output)
-    job.assert_cleaned_up()
-    assert not user_copy.exists(), "the token copy outlived the job"
-    print(f"\n2-node SLURM job {job.id}: sbatch -> first step "
-          f"{first[0]['time'] - job.submitted:.1f} s, sbatch -> end {job.ended - job.submitted:.1f} s")
-
-
-@pytest.mark.timeout(900)
-def test_preemption_requeues_and_resumes_from_the_checkpoint(slurm_cluster, tmp_path):
-    job = Job(slurm_cluster, tmp_path, ["train", *TINY, "--epochs", "2"])
     cluster = job.cluster
     job.wait_for(lambda: any(e["event"] == "epoch_start" and e["epoch"] == 2 for e in job.events()),
                  timeout=500, what="epoch 2 to start")
     cluster.run(["scancel", "--batch", "--signal=USR1", str(job.id)])
-
     # The script checkpoints, requeues the job and exits; the job waits out Slurm's requeue hold.
     info = job.wait_for(lambda: (lambda i: i if i.get("JobState") == "PENDING" else None)(job.info()),
                         timeout=300, what="the job to be requeued")
@@ -123,6 +115,18 @@ def test_preemption_requeues_and_resumes_from_the_checkpoint(slurm_cluster, tmp_
     # revocation of the previous run's credential ("Job credential revoked").
     cluster.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now+2"])
 
+    other.wait_for(lambda: any(e["event"] == "first_step" for e in other.events()), timeout=500,
+                   what="the other job's first step")
+    assert other.info()["NodeList"] == nodes  # the same two nodes, another Ray cluster
+    assert re.search(r"GCS (\S+),", other.output)[1] != gcs
+    slurm_cluster.run(["scancel", str(other.id)])
+    cancelled = time.monotonic()
+    assert other.wait_done(timeout=120)["JobState"] == "CANCELLED"
+    other.assert_cleaned_up()
+    gone_s = time.monotonic() - cancelled
+    assert gone_s < 30 + 15, gone_s  # RJ_STOP_TIMEOUT (30 s) per stage, then SIGKILL
+    print(f"scancel: every process of job {other.id} gone {gone_s:.1f} s after scancel")
+
     info = job.wait_done(timeout=500)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.tail()
     assert_two_node_run(job, epochs=2)
@@ -132,7 +136,10 @@ def test_preemption_requeues_and_resumes_from_the_checkpoint(slurm_cluster, tmp_
     starts = [(e["epoch"], e["step"]) for e in job.events() if e["event"] == "epoch_start"]
     assert starts == [(1, 0), (2, 0), (2, stop_step)], starts
     assert job.output.count(f"job {job.id} (restart 1)") == 1
+    head_ip = job.cluster.node_addr("node1")
+    assert re.search(rf"dashboard / job server: http://{re.escape(head_ip)}:\d+", job.output)
     job.assert_cleaned_up()
+    assert not user_copy.exists(), "the token copy outlived the job"
 
 
 @pytest.mark.timeout(300)
@@ -140,7 +147,7 @@ def test_node_that_never_joins_fails_the_job_naming_it(slurm_cluster, tmp_path):
     # node2's `ray start` points at a port where no GCS listens, so it never joins.
     wrong = f"--address={slurm_cluster.node_addr('node1')}:1"
     job = Job(slurm_cluster, tmp_path, ["train", *TINY, "--epochs", "1"],
-              env={"RJ_CLUSTER_TIMEOUT": "40", "RJ_WORKER_START_ARGS": wrong})
+              env={"RJ_CLUSTER_TIMEOUT": "25", "RJ_WORKER_START_ARGS": wrong})
     info = job.wait_done(timeout=240)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "4:0", job.tail()
     assert "missing Ray node(s): node2" in job.output, job.tail()
@@ -148,38 +155,7 @@ def test_node_that_never_joins_fails_the_job_naming_it(slurm_cluster, tmp_path):
     assert "driver:" not in job.output  # training never started
     job.assert_cleaned_up()
     print(f"\nnode that never joins: job failed {job.ended - job.submitted:.1f} s after sbatch "
-          f"(RJ_CLUSTER_TIMEOUT=40)")
-
-
-@pytest.mark.timeout(900)
-def test_two_jobs_share_the_nodes_and_scancel_stops_only_its_own(slurm_cluster, tmp_path):
-    """Two jobs train on the same two nodes at once, each with its own Ray cluster; `scancel` of
-    one stops every process of it on both nodes within RJ_STOP_TIMEOUT, and the other finishes."""
-    long = Job(slurm_cluster, tmp_path / "a", ["train", *TINY, "--epochs", "3",
-                                               "--synthetic-train-size", "1536"])
-    short = Job(slurm_cluster, tmp_path / "b", ["train", *TINY, "--epochs", "1"])
-    for job in (long, short):
-        job.wait_for(lambda job=job: any(e["event"] == "first_step" for e in job.events()),
-                     timeout=500, what="its first training step")
-    assert long.info()["JobState"] == "RUNNING"
-    assert long.info()["NodeList"] == short.info()["NodeList"]
-    gcs = [re.search(r"GCS (\S+),", job.output)[1] for job in (long, short)]
-    assert gcs[0] != gcs[1], gcs
-
-    slurm_cluster.run(["scancel", str(long.id)])
-    cancelled = time.monotonic()
-    assert long.wait_done(timeout=120)["JobState"] == "CANCELLED"
-    long.assert_cleaned_up()
-    gone_s = time.monotonic() - cancelled
-    assert gone_s < 30 + 15, gone_s  # RJ_STOP_TIMEOUT (30 s) per stage, then SIGKILL
-    assert short.cluster.job_process_pids(short.id) or short.info()["JobState"] == "COMPLETED"
-
-    info = short.wait_done(timeout=500)
-    assert info["JobState"] == "COMPLETED", short.tail()
-    assert_two_node_run(short, epochs=1)
-    short.assert_cleaned_up()
-    print(f"\nscancel: every process of job {long.id} gone {gone_s:.1f} s after scancel; job "
-          f"{short.id} on the same nodes finished")
+          f"(RJ_CLUSTER_TIMEOUT=25)")
 
 
 @pytest.mark.timeout(400)
