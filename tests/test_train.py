@@ -42,7 +42,8 @@ def _copy(trained_run, tmp_path, *extra: str):
 
 
 def _checkpoints(run_dir) -> list[str]:
-    return sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint_") and os.path.isdir(os.path.join(run_dir, d)))
+    return sorted(d for d in os.listdir(run_dir)
+                  if d.startswith("checkpoint_") and os.path.isdir(os.path.join(run_dir, d)))
 
 
 def test_two_workers_learn_and_leave_every_run_file(trained_run):

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import nn
@@ -53,6 +54,37 @@ def run_steps(model, batches, optimizer, preprocess: Callable, device, bf16: boo
     if device.type == "cuda":
         result["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return result
+
+
+def fast_setup(model_name: str, stem: str, batch: int, images: int, cuda: bool, compile_: bool,
+               prepare_model: Optional[Callable] = None, prepare_loader: Optional[Callable] = None):
+    """This project's fast path: model, optimizer, loader factory and device augmentation."""
+    from ..config import TrainConfig
+    from ..data.arrays import ArrayDataset
+    from ..data.augment import DeviceAugment
+    from ..data.synthetic import make_synthetic
+    from ..model.optim import build_optimizer
+    from ..model.resnet import build_model, to_device
+
+    device, bf16, channels_last = device_and_flags(cuda)
+    model = build_model(model_name, stem, 10)
+    if prepare_model is not None:
+        model = prepare_model(model.to(memory_format=torch.channels_last) if channels_last else model)
+    else:
+        model = to_device(model, device, channels_last)
+    optimizer = build_optimizer(model, TrainConfig(batch_size=batch, lr_ref_batch=batch), 1, device)
+    if compile_:
+        model = torch.compile(model)
+    ds = ArrayDataset(make_synthetic(images, 0, True))
+
+    def batches():
+        loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, drop_last=True,
+                                             collate_fn=ds.collate_fn, pin_memory=cuda)
+        if prepare_loader is not None:
+            return prepare_loader(loader)
+        return ((x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in loader)
+
+    return model, optimizer, batches, DeviceAugment(device, channels_last), device, bf16
 
 
 def machine(cuda: bool) -> str:

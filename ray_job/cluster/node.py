@@ -38,8 +38,8 @@ def run_step(tmp: str, block: str, head: bool, args: list[str], port_range: tupl
         f.write(os.environ.pop("RJ_TOKEN", ""))
     base = ports.free_block(block_size, *port_range, slot=slot) if block == "probe" else int(block)
     env = {**os.environ, **rayenv.defaults(os.environ), **rayenv.auth_env(token)}
-    cmd = [ray_cli(), "start", "--block", f"--temp-dir={tmp}", *ports.ray_start_flags(base, head, block_size),
-           *args]
+    cmd = [ray_cli(), "start", "--block", *(["--head"] if head else []), f"--temp-dir={tmp}",
+           *ports.ray_start_flags(base, head, block_size), *args]
     proc = subprocess.Popen(cmd, env=env)
     stopping: list[int] = []
 
