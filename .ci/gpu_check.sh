@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# The GPU check of issues 4, 5 and 12, prepared to run as is on the lent GPU machine (one H200)
-# through the device tool, in ONE call of at most 600 s:
+# The GPU check, prepared to run as is on the lent GPU machine (one H200) through the device tool,
+# in ONE call of at most 600 s (docs/development.md#the-gpu-check):
 #   printf '.whl/\n.data/\n' >> .git/info/exclude
 #   ../shared/device/make_kit.sh .whl && mkdir -p .data && cp ../shared/data/cifar10-jpeg.tar.xz .data/
 #   device run, carry [".whl", ".data"], timeout 600:   bash .ci/gpu_check.sh
 # The whole script keeps to GPU_CHECK_BUDGET_S (570 s, counted from its start): each part has a cap,
 # gets at most what is left, and is skipped (logged) when less than its minimum is left. In order:
-#   bench        seed pipeline vs fast path vs Ray, both stems, with the FLOP share   (cap 200 s)
-#   vs_ddp       the seed's raw DDP under torchrun vs Ray Train, seed's loop vs ours,
-#                1 worker (the one GPU), ResNet-50 ImageNet stem, global batch 128    (cap 170 s)
-#   train_fast   --recipe fast on the CIFAR-10 JPEG copy, 1 GPU                      (cap 240 s)
-#   scale        1 vs 2 workers sharing the GPU, 20 steps a point (was 30)          (cap 160 s)
-#   bench_compile  CIFAR stem with torch.compile (last: the least needed)            (cap 120 s)
+#   bench_step   the raw-DDP baseline's pipeline vs our step vs under Ray, both stems, FLOP share (cap 150 s)
+#   vs_ddp       the baseline's loop and ours, under torchrun and Ray Train, 1 worker (the GPU)  (cap 150 s)
+#   checkpoints  steady img/s with a checkpoint every 10 steps: none vs sync vs async, stall   (cap 100 s)
+#   train_fast   --recipe fast on the CIFAR-10 JPEG copy, 1 GPU                             (cap 200 s)
+#   scale        1 vs 2 workers sharing the GPU (0.5 GPU each: gloo), 20 steps a point        (cap 120 s)
+#   bench_compile  CIFAR stem with torch.compile (last: the least needed)                     (cap 120 s)
 # It writes everything under $OUT (the device tool brings that folder back): log.txt, gpu.txt,
-# bench.{txt,json}, vs_ddp.{txt,json}, train_fast.txt + metrics/summary JSON, scale.txt +
-# scaling.{md,json,png}, bench_compile.{txt,json}.
+# bench_step.{txt,json}, vs_ddp.{txt,json}, checkpoints.{txt,json}, train_fast.txt + metrics/summary
+# JSON, scale.txt + scaling.{md,json,png}, bench_compile.{txt,json}.
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu_check_out}
 DATA=${DATA:-/tmp/data}
@@ -42,25 +42,34 @@ setup() {
   python3 -c "import torch, ray; print('torch', torch.__version__, 'ray', ray.__version__)" | tee -a "$OUT/gpu.txt"
 }
 
-run_bench() {
+run_bench_step() {
   local t
-  t=$(budget_for bench 200 60) || return 0
-  log "bench: seed pipeline vs fast path vs Ray, ImageNet and CIFAR stems, FLOP share (up to ${t}s)"
-  timeout "$t" python3 -m ray_job bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -n 20
+  t=$(budget_for bench_step 150 60) || return 0
+  log "bench step: the baseline's pipeline vs our step vs Ray, ImageNet and CIFAR stems (up to ${t}s)"
+  timeout "$t" python3 -m ray_job bench step --out "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.txt" | tail -n 20
 }
 
 run_vs_ddp() {
   local t
-  t=$(budget_for vs_ddp 170 90) || return 0
-  log "bench --vs-ddp: torchrun vs Ray Train, seed's loop vs ours, 1 worker (up to ${t}s)"
-  timeout "$t" python3 -m ray_job bench --vs-ddp --workers 1 --model resnet50 --stems imagenet \
+  t=$(budget_for vs_ddp 150 90) || return 0
+  log "bench vs-ddp: torchrun vs Ray Train, the baseline's loop vs ours, 1 worker (up to ${t}s)"
+  timeout "$t" python3 -m ray_job bench vs-ddp --workers 1 --model resnet50 --stem imagenet \
     --out "$OUT/vs_ddp.json" 2>&1 | tee "$OUT/vs_ddp.txt" | tail -n 12
+}
+
+run_checkpoints() {
+  local t
+  t=$(budget_for checkpoints 100 50) || return 0
+  log "bench checkpoints: none vs sync vs async, a local folder (up to ${t}s)"
+  timeout "$t" python3 -m ray_job bench checkpoints --model resnet50 --stem cifar --batch-size 512 \
+    --steps 60 --every 10 --repeats 1 --storage /tmp/results/bench_ckpt --out "$OUT/checkpoints.json" \
+    2>&1 | tee "$OUT/checkpoints.txt" | tail -n 8
 }
 
 run_fast_recipe() {
   local t
-  t=$(budget_for train_fast 240 150) || return 0
-  log "train --recipe fast on the CIFAR-10 JPEG copy (50k train / 5k test), 1 GPU (up to ${t}s)"
+  t=$(budget_for train_fast 200 150) || return 0
+  log "train --recipe fast on the CIFAR-10 JPEG copy (50k train / 10k test), 1 GPU (up to ${t}s)"
   timeout "$t" python3 -m ray_job train --recipe fast --data imagefolder \
     --data-dir "$DATA/cifar10-jpeg" --num-workers 1 --storage-path /tmp/results --name fast \
     --log-every 0 2>&1 | tee "$OUT/train_fast.txt" | grep -E "epoch [0-9]+/|results|best|error" || true
@@ -69,10 +78,10 @@ run_fast_recipe() {
 
 run_scale() {
   local t
-  t=$(budget_for scale 160 90) || return 0
-  log "scale: 1 worker vs 2 workers sharing the GPU (gloo, 0.5 GPU each) (up to ${t}s)"
-  timeout "$t" python3 -m ray_job scale --workers 1,2 --mode both --gpus-per-worker 0.5 \
-    --backend gloo --model resnet50 --stem cifar --data imagefolder --data-dir "$DATA/cifar10-jpeg" \
+  t=$(budget_for scale 120 90) || return 0
+  log "scale sweep: 1 worker vs 2 workers sharing the GPU (0.5 GPU each, gloo) (up to ${t}s)"
+  timeout "$t" python3 -m ray_job scale sweep --workers 1,2 --mode both --gpus-per-worker 0.5 \
+    --model resnet50 --stem cifar --data imagefolder --data-dir "$DATA/cifar10-jpeg" \
     --batch-size 512 --steps-per-epoch 20 --storage-path /tmp/results --name scale_gpu \
     2>&1 | tee "$OUT/scale.txt" | tail -n 20
   cp /tmp/results/scale_gpu/scaling.* "$OUT/" 2>/dev/null || true
@@ -81,14 +90,15 @@ run_scale() {
 run_bench_compile() {
   local t
   t=$(budget_for bench_compile 120 60) || return 0
-  log "bench: CIFAR stem with torch.compile (up to ${t}s)"
-  timeout "$t" python3 -m ray_job bench --stems cifar --compile --no-ray --seed-steps 20 \
+  log "bench step: CIFAR stem with torch.compile (up to ${t}s)"
+  timeout "$t" python3 -m ray_job bench step --stems cifar --compile --no-ray --baseline-steps 20 \
     --out "$OUT/bench_compile.json" 2>&1 | tee "$OUT/bench_compile.txt" | tail -n 12
 }
 
 setup
-run_bench || log "bench failed or timed out (see bench.txt)"
+run_bench_step || log "bench step failed or timed out (see bench_step.txt)"
 run_vs_ddp || log "vs_ddp failed or timed out (see vs_ddp.txt)"
+run_checkpoints || log "checkpoints failed or timed out (see checkpoints.txt)"
 run_fast_recipe || log "fast recipe failed (see train_fast.txt)"
 run_scale || log "scale failed or timed out (see scale.txt)"
 run_bench_compile || log "bench_compile failed or timed out (see bench_compile.txt)"

@@ -12,6 +12,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 from typing import Any, Optional
 
 import torch
@@ -118,7 +119,9 @@ def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
     from ..data.augment import DeviceAugment
     from ..model.optim import build_optimizer
     from ..model.resnet import build_model, unwrap
-    from ..train.engine import train_epoch
+    from ..train.control import StepControl, controlled_steps
+    from ..train.engine import EpochSteps
+    from ..train.progress import Progress
     from .common import constant_scheduler
 
     cuda = place.device.type == "cuda"
@@ -138,11 +141,22 @@ def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
     loader = place.wrap_loader(DataLoader(ds, batch_size=per_rank, shuffle=sampler is None, sampler=sampler,
                                           drop_last=True, collate_fn=ds.collate_fn, pin_memory=cuda), move=True)
     augment, loss_fn = DeviceAugment(place.device, speed.channels_last), nn.CrossEntropyLoss()
+    # The step control looks for a stop request in a run folder, as in `train`: a scratch one here.
+    scratch = tempfile.TemporaryDirectory(prefix="rj_bench_run_")
+    control = StepControl(scratch.name, place.rank == 0, place.device)
 
     def epoch(e: int, steps: int):
+        """One epoch of `steps` steps on `train`'s per-step path: the step, rank 0's progress lines
+        (--log-every 10, as `train`'s default) and the step control's poll."""
         _set_epoch(loader, e)
-        return train_epoch(model, loader, optimizer, scheduler, loss_fn, augment, place.device,
-                           speed.bf16, max_steps=steps)
+        run = EpochSteps(model, optimizer, scheduler, loss_fn, augment, place.device, speed.bf16)
+        progress = Progress("lines", e, 2, steps, 0, spec.global_batch, 10) if place.rank == 0 else None
+        for _ in controlled_steps(run, loader, steps, 0, control, progress):
+            control.take_report()
+        if progress is not None:
+            progress.close()
+        return run.finish()
+    epoch.scratch = scratch  # removed when `epoch` is
     return epoch, speed.bf16
 
 

@@ -15,6 +15,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from typing import Optional
 
 import torch
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from ..storage import StorageError, Where, at
 from . import stop
+from .engine import EpochSteps, Step
 
 POLL_EVERY = 5  # steps between looks at the request
 POLL_LAG = 2    # steps between starting the all-reduce and reading its answer
@@ -189,3 +191,13 @@ class StepControl:
         else:
             work.wait()
         return int(host.item())
+
+
+def controlled_steps(steps: EpochSteps, batches: Iterable, max_steps: int, skip: int, control: StepControl,
+                     progress=None) -> Iterator[tuple[Step, Action]]:
+    """The per-step path of `train` (and of `bench vs-ddp`'s "ours"): each step of the epoch, rank
+    0's progress display (`progress`, None on the other ranks), and the step control's answer."""
+    for step in steps.run(batches, max_steps, skip):
+        if progress is not None:
+            progress.on_step(step)
+        yield step, control.after_step(step.number, max_steps)

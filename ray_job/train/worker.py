@@ -30,7 +30,7 @@ from ..data.datasets import load_datasets
 from .build import (Run, announce, build_run, epoch_metrics, first_error, log_topology, preprocess_for, run_store,
                     setup_logging)
 from .checkpointer import Checkpointer, RayLink, Resume, where
-from .control import Action, StepControl
+from .control import Action, StepControl, controlled_steps
 from .engine import EpochSteps, evaluate, measure_comm_wait
 from .metrics import EpochMetrics
 from .progress import Progress
@@ -119,11 +119,8 @@ def fit(run: Run, resume: Resume, checkpointer: Checkpointer) -> dict:
         steps = EpochSteps(run.model, run.optimizer, run.scheduler, loss_fn, preprocess, run.device,
                            run.speed.bf16, cfg.sync_timing)
         action, position = Action.CONTINUE, skip
-        for step in steps.run(run.train_loader, run.steps_per_epoch, skip):
+        for step, action in controlled_steps(steps, run.train_loader, run.steps_per_epoch, skip, control, progress):
             position = step.number
-            if progress:
-                progress.on_step(step)
-            action = control.after_step(step.number, run.steps_per_epoch)
             if control.take_report():  # rank 0's background upload is over
                 checkpointer.report_saved()
             if action is Action.CHECKPOINT:
