@@ -11,39 +11,23 @@
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@300
 #
-# Usage (any #SBATCH default above can be overridden on the sbatch command line):
-#   sbatch slurm_ray_start.sh [train] [train flags...]     train (the default mode)
+#   sbatch slurm_ray_start.sh [train] [train flags...]      train (the default mode)
 #   sbatch slurm_ray_start.sh tune --space lr=loguniform:0.01:1 [...]   a hyperparameter search
-#   sbatch slurm_ray_start.sh scale sweep --workers 1,2    a scaling sweep
-#   sbatch slurm_ray_start.sh serve                        keep the cluster up for `ray job submit`
-# On a CPU-only cluster sbatch refuses the --gpus-per-node=1 default above; override it:
-#   sbatch --gpus-per-node=0 --cpus-per-task=4 slurm_ray_start.sh --num-workers 2 --epochs 30
-# See docs/slurm.md: what the script adds to your flags, preemption and requeue, lost nodes, knobs.
+#   sbatch slurm_ray_start.sh scale sweep --workers 1,2     a scaling sweep
+#   sbatch slurm_ray_start.sh serve                         keep the cluster up for `ray job submit`
+# On a CPU-only cluster override the GPU default: sbatch --gpus-per-node=0 --cpus-per-task=4 ...
+# docs/slurm.md: the flags this adds, preemption and requeue, lost nodes, the RJ_* knobs below.
 #
-# One Ray node per SLURM node (the head where this script runs, the others `srun -w NODE`). What
-# is decided is decided in Python: the driver's flags (ray_job.commands.slurm_plan), node addresses,
-# ports, Ray's environment, the token, readiness and what an exit status means (ray_job.cluster).
-# This script supervises: srun steps, traps, restarts of a node's Ray, teardown by PID, requeue.
-#
-# Knobs: RJ_PYTHON (python), RJ_STORAGE_PATH, RJ_RUN_NAME, RJ_LOG_DIR, RJ_CLUSTER_TIMEOUT (300),
-# RJ_PREEMPT_GRACE (240), RJ_STOP_TIMEOUT (30), RJ_PORT_BASE (20000), RJ_PORT_MAX (32767),
-# RJ_TMP_ROOT (/tmp), RJ_HEAD_IP, RJ_DASHBOARD (1), RJ_START_ARGS, RJ_WORKER_START_ARGS,
-# RJ_NODE_RESTARTS (3), RJ_NODE_RESTART_S (10): docs/slurm.md says what each does.
+# One Ray node per SLURM node. Python decides (ray_job.commands.slurm_plan: the driver's flags;
+# ray_job.cluster: node addresses, ports, Ray's environment, the token, readiness, what an exit
+# status means); this script supervises: srun steps, traps, restarts of a node's Ray, teardown by
+# PID, requeue.
 set -euo pipefail
 
-RJ_PYTHON=${RJ_PYTHON:-python}
-RJ_CLUSTER_TIMEOUT=${RJ_CLUSTER_TIMEOUT:-300}
-RJ_PREEMPT_GRACE=${RJ_PREEMPT_GRACE:-240}
-RJ_STOP_TIMEOUT=${RJ_STOP_TIMEOUT:-30}
-RJ_PORT_BASE=${RJ_PORT_BASE:-20000}
-RJ_PORT_MAX=${RJ_PORT_MAX:-32767}
-RJ_TMP_ROOT=${RJ_TMP_ROOT:-/tmp}
-RJ_HEAD_IP=${RJ_HEAD_IP:-}
-RJ_DASHBOARD=${RJ_DASHBOARD:-1}
-RJ_START_ARGS=${RJ_START_ARGS:-}
-RJ_WORKER_START_ARGS=${RJ_WORKER_START_ARGS:-}
-RJ_NODE_RESTARTS=${RJ_NODE_RESTARTS:-3}
-RJ_NODE_RESTART_S=${RJ_NODE_RESTART_S:-10}
+# The RJ_* knobs and their defaults (docs/slurm.md says what each does):
+: "${RJ_PYTHON:=python}" "${RJ_CLUSTER_TIMEOUT:=300}" "${RJ_PREEMPT_GRACE:=240}" "${RJ_STOP_TIMEOUT:=30}"
+: "${RJ_PORT_BASE:=20000}" "${RJ_PORT_MAX:=32767}" "${RJ_TMP_ROOT:=/tmp}" "${RJ_HEAD_IP:=}" "${RJ_DASHBOARD:=1}"
+: "${RJ_START_ARGS:=}" "${RJ_WORKER_START_ARGS:=}" "${RJ_NODE_RESTARTS:=3}" "${RJ_NODE_RESTART_S:=10}"
 
 JOB_ID="" RESTART_COUNT=0 LOG_DIR="" CPUS_PER_NODE=1 GPUS_PER_NODE=0 MODE=train
 STORAGE_PATH="" RUN_NAME="" WANT_GPU=0  # set by plan_job from ray_job.commands.slurm_plan
@@ -186,15 +170,13 @@ supervise_nodes() {
   done
 }
 
-# For clients (dashboard login, `ray job submit`): a copy of the token (mode 0600) and the
-# settings they need, in the log dir on the shared file system; both removed when the job ends.
+# For clients (dashboard login, `ray job submit`): a token copy and cluster.env in the log dir on
+# the shared file system (ray_job/cluster/rayenv.py), removed when the job ends.
 print_access_info() {
   log "Ray cluster up: ${#NODES[@]} node(s), GCS $GCS_ADDRESS, $CPUS_PER_NODE CPU(s) and $GPUS_PER_NODE GPU(s) per node"
   ((RJ_DASHBOARD == 1)) || return 0
-  ACCESS_FILES=("$LOG_DIR/auth_token" "$LOG_DIR/cluster.env")
-  (umask 077 && cp "$TOKEN_FILE" "$LOG_DIR/auth_token")
-  printf 'export RAY_ADDRESS=http://%s:%s\nexport RAY_AUTH_MODE=token\nexport RAY_AUTH_TOKEN_PATH=%s\n# GCS address (python -m ray_job train --address): %s\n' \
-    "${NODE_IPS[0]}" "$DASHBOARD_PORT" "$LOG_DIR/auth_token" "$GCS_ADDRESS" >"$LOG_DIR/cluster.env"
+  mapfile -t ACCESS_FILES < <(cluster access --log-dir "$LOG_DIR" --token "$TOKEN_FILE" \
+    --head-ip "${NODE_IPS[0]}" --dashboard-port "$DASHBOARD_PORT" --gcs "$GCS_ADDRESS")
   log "dashboard / job server: http://${NODE_IPS[0]}:$DASHBOARD_PORT (bound to the head's address only); token in $LOG_DIR/auth_token"
   log "tunnel from your machine: ssh -N -L 8265:${NODE_IPS[0]}:$DASHBOARD_PORT <you>@<login-node>, then open http://127.0.0.1:8265"
 }

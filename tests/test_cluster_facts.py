@@ -137,3 +137,16 @@ def test_a_moved_private_symbol_is_named(monkeypatch):
     monkeypatch.setitem(raypriv.SYMBOLS, "gone", ("ray.train", "NoSuchThing"))
     with pytest.raises(raypriv.PrivateAPIMoved, match=r"has no ray.train.NoSuchThing \(gone"):
         raypriv.get("gone")
+
+
+def test_access_files_for_clients_hold_the_token_copy_and_the_addresses(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    proc = cluster_cli("access", "--log-dir", str(tmp_path), "--token", str(token), "--head-ip", "10.0.0.5",
+                       "--dashboard-port", "20001", "--gcs", "10.0.0.5:20000")
+    assert proc.returncode == 0, proc.stderr
+    copy, env_file = proc.stdout.split()
+    assert open(copy).read() == "s3cret" and stat.S_IMODE(os.stat(copy).st_mode) == 0o600
+    text = open(env_file).read()
+    assert "export RAY_ADDRESS=http://10.0.0.5:20001\n" in text and f"RAY_AUTH_TOKEN_PATH={copy}" in text
+    assert "export RAY_AUTH_MODE=token\n" in text and "10.0.0.5:20000" in text

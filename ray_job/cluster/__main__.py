@@ -10,6 +10,8 @@
                                                 until those nodes are up (exit 4 and why, if not)
     head-block --job-id J --range LO HI          "BASE GCS_PORT DASHBOARD_PORT" of a free block for the head
     exit-action RC|none STOP_REQUESTED          "requeue STATUS_IF_REFUSED WHY" or "exit RC" (core/exits.py)
+    access --log-dir D --token T --head-ip IP --dashboard-port P --gcs HOST:PORT
+                                                the clients' files (a token copy, cluster.env), one path a line
     step --tmp D --block B|probe --job-id J --node-index I --range LO HI [--head] -- RAY_START_ARGS...
                                                 a SLURM step's Ray node (node.py)
     start --state-dir D --temp-dir T --base B [--head-ip IP] [-- RAY_START_ARGS...]
@@ -53,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("exit-action")
     c.add_argument("rc")
     c.add_argument("stop_requested", type=int)
+    c = sub.add_parser("access")
+    c.add_argument("--log-dir", required=True)
+    c.add_argument("--token", required=True)
+    c.add_argument("--head-ip", required=True)
+    c.add_argument("--dashboard-port", type=int, required=True)
+    c.add_argument("--gcs", required=True)
     c = sub.add_parser("step")
     c.add_argument("--tmp", required=True)
     c.add_argument("--block", required=True)
@@ -125,6 +133,10 @@ def main(argv: list[str]) -> int:
     elif ns.command == "exit-action":
         action, rc, why = slurm_action(None if ns.rc == "none" else int(ns.rc), bool(ns.stop_requested))
         print(action, rc, why)
+    elif ns.command == "access":
+        from .rayenv import write_access_files
+
+        print("\n".join(write_access_files(ns.log_dir, ns.token, ns.head_ip, ns.dashboard_port, ns.gcs)))
     elif ns.command == "step":
         from .node import run_step
 

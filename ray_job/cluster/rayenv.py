@@ -44,3 +44,20 @@ def write_token(path: str) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
     return path
+
+
+def write_access_files(folder: str, token_path: str, head_ip: str, dashboard_port: int, gcs: str) -> list[str]:
+    """What a client needs to reach a SLURM job's cluster (dashboard login, `ray job submit`), in a
+    folder on the shared file system: a copy of the token (0600) and cluster.env to `source`. The
+    paths written (the job removes them when it ends)."""
+    token_copy, env_file = os.path.join(folder, "auth_token"), os.path.join(folder, "cluster.env")
+    with open(token_path) as f:
+        token = f.read()
+    fd = os.open(token_copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    exports = {"RAY_ADDRESS": f"http://{head_ip}:{dashboard_port}", **auth_env(token_copy)}
+    with open(env_file, "w") as f:
+        f.write("".join(f"export {k}={v}\n" for k, v in exports.items()))
+        f.write(f"# GCS address (python -m ray_job train --address): {gcs}\n")
+    return [token_copy, env_file]
