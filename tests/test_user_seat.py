@@ -89,18 +89,24 @@ def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_
         str(user_dir / ckpt)
 
 
-def _ours(proc) -> list:
-    """The processes a run started (its local Ray cluster included): its session's."""
+def _ours(proc, settle_s: float = 30) -> list:
+    """The processes a run started (its local Ray cluster included: its session's) still there
+    `settle_s` after it exited: the local cluster's processes end a moment after the driver, later
+    on a loaded machine."""
     import psutil
 
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.pid != proc.pid and os.getsid(p.pid) == proc.pid:
-                found.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            pass
-    return found
+    deadline = time.monotonic() + settle_s
+    while True:
+        found = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if p.pid != proc.pid and os.getsid(p.pid) == proc.pid:
+                    found.append(p)
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def test_ctrl_c_checkpoints_where_it_is_and_the_same_command_continues(user_dir, ray_cluster):
