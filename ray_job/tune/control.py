@@ -38,15 +38,23 @@ class SearchControl:
         self.search_dir = search_dir
         self.signals = stop.Signals(search_dir)
         self.end_tune: Optional[Callable[[int, Any], None]] = None
+        self.previous: dict = {}  # the handlers before the search's
         self.stop_seen: Optional[float] = None
         self.ended = False
 
     def take_signals(self) -> None:
-        """Called on the main thread once Tune has installed its handler."""
-        tune_handler = signal.getsignal(signal.SIGUSR1)
-        self.end_tune = tune_handler if callable(tune_handler) else None
+        """SIGUSR1, Ctrl-C and SIGTERM become stop requests (stop.Signals). Called at the start, and
+        on the main thread again once Tune has installed its own handler, which is kept to end Tune."""
+        current = signal.getsignal(signal.SIGUSR1)
+        if callable(current) and getattr(current, "__self__", None) is not self.signals:
+            self.end_tune = current
         for signum in stop.SIGNALS:
+            self.previous.setdefault(signum, signal.getsignal(signum))
             signal.signal(signum, self.signals.handle)
+
+    def give_back_signals(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
     def stop_requested(self) -> bool:
         if self.signals.first is not None:

@@ -24,7 +24,7 @@ from ..storage import StorageError
 from ..train import stop
 from ..train.runfiles import METRICS_JSONL
 from ..train.runlog import read_metrics
-from .trial import REPLAYED, trial_dirname
+from .trial import EARLY_STOP_FILE, REPLAYED, trial_dirname
 
 log = logging.getLogger("ray_job.tune")
 
@@ -67,6 +67,7 @@ class EpochASHA(AsyncHyperBandScheduler):
                       f"at this rung (ASHA)", flush=True)
             self.stopped.add(name)
             try:
+                self.run_dir(trial).join(EARLY_STOP_FILE).write_text(str(result["epoch"]))
                 stop.request(self.run_dir(trial))
             except StorageError as e:  # asked again at its next result
                 log.warning("tune: cannot ask %s to stop yet: %s", name, e)

@@ -53,13 +53,26 @@ def run_search(search: Search, argv: list[str], callbacks: Sequence[Any] = (),
         stop.clear(search_dir)  # a requeued search must not stop at once
     except StorageError as e:
         raise UsageError(str(e)) from None
+    control.ACTIVE = live = control.SearchControl(search_dir.uri)
+    live.take_signals()  # from now on a stop request; again once Tune has put in its own
+    try:
+        return searched(search, search_dir, record, live, callbacks, trial_callbacks)
+    except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM before Tune ran
+        print(f"tune: aborted by a second {live.signals.reason}", flush=True)
+        return live.signals.exit_code
+    finally:
+        control.ACTIVE = None
+        live.give_back_signals()
+
+
+def searched(search: Search, search_dir: storage.Location, record: dict, live: control.SearchControl,
+             callbacks: Sequence[Any], trial_callbacks: Sequence[Any]) -> int:
     connect(search.base)
     search, at_once = fit_cluster(search)
     storage.write_json(search_dir.join(SEARCH_JSON), record)
     quiet_tune()
     meta = describe(search, at_once, record["command"])
     print(f"tune: {meta['how']}\ntune: search folder {search_dir.uri}", flush=True)
-    control.ACTIVE = live = control.SearchControl(search_dir.uri)
     errors: dict[str, str] = {}
     try:
         grid = tuner_for(search, at_once, callbacks, trial_callbacks).fit()
@@ -67,8 +80,6 @@ def run_search(search: Search, argv: list[str], callbacks: Sequence[Any] = (),
     except KeyboardInterrupt:
         print(f"tune: aborted by a second {live.signals.reason}; the trials resume from their last "
               f"checkpoints when the same command runs again", flush=True)
-    finally:
-        control.ACTIVE = None
     rows = write_report(search, search_dir, meta, errors)
     return exit_code(rows, live)
 

@@ -50,6 +50,7 @@ SEARCH_STOPPED = "the search was asked to stop"
 # A key of an epoch's metrics that no other report of the worker loop carries.
 EPOCH_KEY = "train_loss"
 REPLAYED = "replayed"  # a result re-sent from the run folder (the trial had already run)
+EARLY_STOP_FILE = ".early_stop"  # the scheduler's stop of this trial (beside the run's stop request)
 
 
 def trial_dirname(trial: Any) -> str:
@@ -84,12 +85,16 @@ class StopReason:
 
     exit_code = ExitCode.STOPPED
 
-    def __init__(self, search_dir: str):
-        self.search_dir = search_dir
+    def __init__(self, search_dir: str, run_dir: str):
+        self.search_dir, self.run_dir = search_dir, run_dir
+
+    @property
+    def early(self) -> bool:
+        return storage.at(self.run_dir).join(EARLY_STOP_FILE).exists()
 
     @property
     def reason(self) -> str:
-        return SEARCH_STOPPED if stop.requested(self.search_dir) else EARLY_STOPPED
+        return EARLY_STOPPED if self.early or not stop.requested(self.search_dir) else SEARCH_STOPPED
 
 
 class TrialFailed(Exception):
@@ -109,13 +114,13 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     set_aside_other(cfg)
     if ran_before(cfg):
         return replay(cfg)
+    why = StopReason(setup.search_dir, cfg.run_dir())
     with run_lease(cfg):
         open_run_folder(cfg)
         with stop.forward(setup.search_dir, cfg.run_dir()):
             cfg = start_run(cfg)
-            rc = fit_and_summarise(cfg, started, callbacks=callbacks_for(setup, cfg),
-                                   signals=StopReason(setup.search_dir))
-    if is_stop(rc) and stop.requested(setup.search_dir):
+            rc = fit_and_summarise(cfg, started, callbacks=callbacks_for(setup, cfg), signals=why)
+    if is_stop(rc) and why.reason == SEARCH_STOPPED:
         park(cfg)
     if rc != ExitCode.DONE and not is_stop(rc):
         raise TrialFailed(f"{cfg.name}: train exited with {rc}; see {cfg.run_dir()}/{SUMMARY_JSON}")
