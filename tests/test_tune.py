@@ -4,7 +4,7 @@ from a user's folder, relative paths): Ctrl-C while a trial trains, then the sam
 the finished trials are not run again, the interrupted one resumes from its checkpoint, ASHA stops
 the trial whose LR is orders of magnitude too small, and the table, the plot and the best trial's
 `train` command come out. And `sbatch slurm_ray_start.sh tune` on the 2-node test SLURM cluster:
-USR1 in the middle, requeue, the same search continues and completes."""
+USR1 in the middle, requeue, the same search continues and completes. And a search on S3."""
 
 from __future__ import annotations
 
@@ -119,6 +119,30 @@ def test_only_epoch_results_reach_tune():
     assert queue == [epoch]  # and no checkpoint path: a trial's checkpoints are its run's
 
 
+
+@pytest.mark.parametrize("how", ["random", "optuna"])
+def test_the_searchers_propose_values_inside_the_space(how):
+    """Both searchers, as the search builds them, take the space and propose values inside it
+    (Optuna converts Tune's domains itself); no cluster needed."""
+    from ray_job.tune.search import searcher_for
+
+    search = parse_args(["--space", "lr=loguniform:0.001:1", "batch_size=choice:64,128", "warmup_epochs=randint:0:2",
+                         "--search", how])
+    searcher = searcher_for(search, at_once=2)
+    space = {d.name: d.to_tune() for d in search.space}
+    if how == "optuna":
+        assert searcher.set_search_properties("test_acc", "max", space)
+        configs = [searcher.suggest(f"t{i}") for i in range(2)]
+        assert searcher.suggest("t2") is None  # at most 2 at once
+    else:
+        from ray.tune.experiment import Experiment
+
+        searcher.add_configurations([Experiment("x", lambda config: None, config=space, num_samples=3)])
+        configs = [searcher.next_trial().config for _ in range(2)]
+        assert searcher.next_trial() is None  # at most 2 at once
+    for c in configs:
+        assert 0.001 <= c["lr"] <= 1 and c["batch_size"] in (64, 128) and c["warmup_epochs"] in (0, 1, 2)
+
 # --- one search on the session's Ray head -------------------------------------------------------
 
 # 16 steps an epoch: ASHA's decision on epoch 1 (it comes a few seconds after the epoch) lands
@@ -195,6 +219,28 @@ def test_a_search_wider_than_the_cluster_fails_before_any_trial(ray_cluster, tmp
 
 
 
+
+@pytest.mark.timeout(600)
+def test_a_search_on_object_storage(ray_cluster, s3, tmp_path):
+    """--storage-path s3://...: Tune's state, the trials' run folders and the report all in the
+    bucket (the head's processes have no AWS variables: the trials get the driver's); the same
+    command again continues the search from the bucket and runs nothing."""
+    env = {**ray_cluster.user_env(), **{k: v for k, v in s3.env().items() if k.startswith("AWS_")}}
+    args = [*TINY, "--num-workers", "1", "--epochs", "1", "--space", "lr=choice:0.05,0.1", "--num-samples", "1",
+            "--scheduler", "none", "--storage-path", s3.uri("searches"), "--name", "s"]
+    out = run_cli("tune", *args, cwd=tmp_path, env=env)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    keys = s3.keys("searches/s")
+    for key in ("search.json", "tune.csv", "tune.md", "tune.png", "tuner.pkl", "trial_000/summary.json",
+                "trial_000/metrics.jsonl", "trial_000/config.json"):
+        assert key in keys, keys
+    row = next(csv.DictReader(s3.read("searches/s/tune.csv").decode().splitlines()))
+    assert (row["trial"], row["status"], row["epochs"]) == ("trial_000", "finished", "1")
+    again = run_cli("tune", *args, cwd=tmp_path, env=env)
+    assert again.returncode == 0 and "continuing the search" in again.stdout, again.stderr[-3000:]
+    assert "trial_000 started" not in again.stdout
+    assert not list(tmp_path.iterdir())  # nothing written locally
+
 # --- the whole search in one SLURM allocation ---------------------------------------------------
 
 @pytest.mark.timeout(900)
@@ -204,8 +250,7 @@ def test_sbatch_tune_survives_usr1_and_requeue(slurm_cluster, tmp_path):
     from slurm_jobs import TINY as SLURM_TINY
     from slurm_jobs import Job
 
-    args = [a for a in SLURM_TINY if a not in ("--num-workers", "2")]
-    job = Job(slurm_cluster, tmp_path, ["tune", *args, "--num-workers", "1", "--epochs", "2",
+    job = Job(slurm_cluster, tmp_path, ["tune", *SLURM_TINY, "--num-workers", "1", "--epochs", "2",
                                         "--space", "lr=loguniform:0.01:0.5", "--num-samples", "2",
                                         "--scheduler", "none"])
     trials = [job.run_dir / "trial_000", job.run_dir / "trial_001"]

@@ -16,14 +16,16 @@ the callback holds only plain settings and finds this process's live state in `A
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import time
 from typing import Any, Optional
 from collections.abc import Callable
 
 from .. import storage
 from ..storage import StorageError
-from ..storage.lease import Lease
+from ..storage.lease import STALE_S, Lease
 from ..train import stop
 from .trial import trial_dirname
 
@@ -82,13 +84,16 @@ class SearchControl:
             self.end_tune(signal.SIGUSR1, None)
 
     def holds_lease(self, trial: Any) -> bool:
-        """A live run holds the trial's folder (a parked trial gave its lease back)."""
+        """A live run holds the trial's folder (a parked trial gave its lease back). Not the lease's
+        own takeover rule: to it, every owner of this SLURM job is gone (it was there before a
+        requeue), and the trials are this job's."""
         try:
             owner = Lease(storage.at(self.search_dir).join(trial_dirname(trial))).current()
         except StorageError:
             return True  # cannot tell yet: ask again
-        return owner is not None and owner.gone(time.time()) is None
-
+        if owner is None or time.time() - owner.heartbeat > STALE_S:
+            return False
+        return not (owner.host == socket.gethostname() and not os.path.exists(f"/proc/{owner.pid}"))
 
 ACTIVE: Optional[SearchControl] = None
 

@@ -145,7 +145,9 @@ def tuner_for(search: Search, at_once: int, callbacks: Sequence[Any], trial_call
     root = storage.at(search.base.storage_path)
     fs = storage.for_ray(root, search.base.retry_storage_s)
     search_dir = root.join(search.base.name)
-    setup = TrialSetup(base=search.base.to_dict(), search_dir=search_dir.uri, callbacks=tuple(trial_callbacks))
+    env = tuple((k, v) for k, v in os.environ.items() if k.startswith("AWS_")) if not root.is_local else ()
+    setup = TrialSetup(base=search.base.to_dict(), search_dir=search_dir.uri, callbacks=tuple(trial_callbacks),
+                       env=env)
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), TRIAL_RESOURCES)
     if tune.Tuner.can_restore(search_dir.path, storage_filesystem=fs):
         print(f"tune: continuing the search {search.base.name!r} from its saved state", flush=True)

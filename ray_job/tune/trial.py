@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ class TrialSetup:
     base: dict                 # the fixed train flags (TrainConfig.to_dict())
     search_dir: str            # <storage-path>/<search name>
     callbacks: tuple[Callable[[TrainConfig], Any], ...] = ()
+    # The driver's object-storage settings (AWS_*): the trial function writes its run's files as
+    # the train driver does, in an actor that may run where the user's shell did not set them.
+    env: tuple[tuple[str, str], ...] = ()
 
 
 class EpochResults(TuneReportCallback):
@@ -106,6 +110,7 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     from ray import tune
 
     started = time.time()
+    os.environ.update(dict(setup.env))  # this actor runs this trial only (reuse_actors=False)
     name = tune.get_context().get_trial_name()
     cfg = dataclasses.replace(trial_config(TrainConfig(**setup.base), config),
                               storage_path=setup.search_dir, name=name)
