@@ -192,3 +192,15 @@ def test_bash_mapfile_reads_the_flags_back_exactly(tmp_path):
     out = subprocess.run(["bash", "-c", script, sys.executable, name], cwd=tmp_path, text=True,
                          capture_output=True, env={"PYTHONPATH": str(ROOT), **CPU_JOB}, check=True)
     assert f"<RUN_NAME={name}>" in out.stdout and f"<--name><{name}>" in out.stdout
+
+
+def test_tune_mode_uses_the_tune_parser_and_checks_the_space():
+    from ray_job.tune.options import parse_args as parse_tune_args
+
+    p = plan(["tune", "--space", "lr=loguniform:0.01:1", "--num-samples", "4"], env=CPU_JOB)
+    assert p.mode == "tune" and count(p.args, "--storage-path", "--name", "--no-gpu") == 3
+    search = parse_tune_args(list(p.args))  # what the driver makes of them
+    assert (search.base.name, search.base.use_gpu, search.opts.num_samples) == ("slurm-7", False, 4)
+    assert [d.text for d in search.space] == ["lr=loguniform:0.01:1"]
+    with pytest.raises(UsageError, match="cannot search 'momentun'"):
+        plan(["tune", "--space", "momentun=uniform:0:1"], env=CPU_JOB)

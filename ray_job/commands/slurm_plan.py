@@ -23,7 +23,7 @@ from ..core.flags import flags_given
 from ..core.paths import resolve_path
 
 
-MODES = ("train", "scale", "serve")
+MODES = ("train", "scale", "tune", "serve")
 
 
 NO_GPUS_HINT = ("HINT: submit with sbatch --gpus-per-node=N (or --gres=gpu:N), or train on CPUs "
@@ -34,7 +34,7 @@ NO_GPUS_HINT = ("HINT: submit with sbatch --gpus-per-node=N (or --gres=gpu:N), o
 class DriverPlan:
     """How the script runs `python -m ray_job MODE`, and what it reports about the run."""
 
-    mode: str                # train | scale | serve (serve: no driver)
+    mode: str                # train | scale | tune | serve (serve: no driver)
     args: tuple[str, ...]    # flags for the driver; the script adds --address
     storage_path: str        # effective --storage-path, absolute (for the log)
     run_name: str            # effective --name
@@ -49,7 +49,7 @@ def split_mode(argv: Sequence[str]) -> tuple[str, list[str]]:
     if first == "--keep-alive":
         return "serve", rest
     if first not in MODES:
-        raise UsageError(f"unknown mode {first!r}. HINT: use train (default), scale or serve")
+        raise UsageError(f"unknown mode {first!r}. HINT: use train (default), tune, scale or serve")
     return first, rest
 
 
@@ -67,8 +67,14 @@ def scale_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return build_parser(rest, command)
 
 
+def tune_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    from ..tune.options import build_parser
+
+    return build_parser(list(argv))
+
+
 PARSERS: dict[str, Callable[[Sequence[str]], argparse.ArgumentParser]] = {
-    "train": train_parser, "scale": scale_parser}
+    "train": train_parser, "scale": scale_parser, "tune": tune_parser}
 
 
 def plan_driver(argv: Sequence[str], alloc: Allocation) -> DriverPlan:
@@ -97,6 +103,10 @@ def plan_driver(argv: Sequence[str], alloc: Allocation) -> DriverPlan:
     cfg = config_from_args(build(args).parse_args(without_command(mode, args)))  # validates, as the driver
     if cfg.use_gpu and not alloc.gpus_per_node:
         raise UsageError(f"--use-gpu was given but SLURM gave this job no GPUs. {NO_GPUS_HINT}")
+    if mode == "tune":  # the search's own checks (the space, the scheduler), before Ray starts
+        from ..tune.options import parse_args as parse_tune_args
+
+        parse_tune_args(list(args))
     if not cfg.storage_path or not cfg.name:
         raise UsageError("--storage-path and --name need a value (a requeued job resumes its run by name)")
     return DriverPlan(mode, tuple(args), resolve_path(cfg.storage_path), cfg.name, bool(cfg.use_gpu))

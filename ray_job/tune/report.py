@@ -1,0 +1,195 @@
+"""A search's report, read from its trials' run folders (the record that survives any restart):
+tune.csv and tune.md (one row per trial), tune.png, and the `train` command of the best trial.
+
+A trial's status: finished (all --epochs), stopped early (by ASHA; it has a checkpoint to extend),
+interrupted (the search was stopped; the same search run again resumes it), failed, or unfinished
+(the search was aborted while it ran).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import shlex
+from typing import Any, Optional
+
+import pyarrow.fs as pafs
+
+from .. import storage
+from ..config import TrainConfig
+from ..config.run import RECIPES, UNREAD_BY_DATA
+from ..core.flags import flag_name
+from ..storage import StorageError
+from ..train.runfiles import CONFIG_JSON, METRICS_JSONL, SUMMARY_JSON
+from ..train.runlog import csv_text, read_metrics
+from .trial import EARLY_STOPPED, TRIAL_PREFIX
+
+TUNE_CSV, TUNE_MD, TUNE_PNG = "tune.csv", "tune.md", "tune.png"
+COLUMNS = ["trial", "status", "epochs", "best_test_acc", "last_test_acc", "best_metric", "wall_s",
+           "train_s", "time_to_first_step_s", "stopped_early", "error"]
+# Fields a `train` command never repeats: where it joins, how it prints; the run's place is added.
+NOT_REPEATED = ("address", "progress", "storage_path", "name")
+
+
+def trial_folders(search_dir: storage.Location) -> list[storage.Location]:
+    """trial_NNN folders of the search, in order (folders set aside are not trials)."""
+    try:
+        infos = search_dir.fs.get_file_info(pafs.FileSelector(search_dir.path, allow_not_found=True))
+    except OSError as e:
+        raise StorageError(f"cannot list {search_dir.uri}: {e}") from None
+    names = [i.base_name for i in infos if i.type == pafs.FileType.Directory]
+    return [search_dir.join(n) for n in sorted(names) if n.startswith(TRIAL_PREFIX) and n[len(TRIAL_PREFIX):].isdigit()]
+
+
+def _read(folder: storage.Location, name: str) -> Optional[dict]:
+    try:
+        return storage.read_json(folder.join(name))
+    except (FileNotFoundError, StorageError, ValueError):
+        return None
+
+
+def status_of(summary: Optional[dict], error: Optional[str]) -> str:
+    if error or (summary or {}).get("error"):
+        return "failed"
+    if summary is None:
+        return "unfinished"
+    if summary.get("finished") and summary.get("epochs_completed", 0) >= summary.get("epochs", 0):
+        return "finished"
+    if summary.get("stopped") == EARLY_STOPPED:
+        return "stopped early"
+    return "interrupted" if summary.get("stopped") else "unfinished"
+
+
+def trial_row(folder: storage.Location, names: list[str], metric: str, mode: str,
+              errors: dict[str, str]) -> Optional[dict]:
+    """One trial's row and its curve (seconds in epochs, test accuracy), from its folder."""
+    cfg = _read(folder, CONFIG_JSON)
+    if cfg is None:
+        return None
+    summary = _read(folder, SUMMARY_JSON)
+    try:
+        epochs = read_metrics(folder.join(METRICS_JSONL))
+    except (FileNotFoundError, StorageError, ValueError):
+        epochs = []
+    pick = max if mode == "max" else min
+    error = errors.get(folder.name) or (summary or {}).get("error")
+    status = status_of(summary, error)
+    times = [sum(e.epoch_s for e in epochs[:i + 1]) for i in range(len(epochs))]
+    return dict(trial=folder.name, **{n: cfg.get(n) for n in names}, status=status, epochs=len(epochs),
+                best_test_acc=max((e.test_acc for e in epochs), default=None),
+                last_test_acc=epochs[-1].test_acc if epochs else None,
+                best_metric=pick((getattr(e, metric) for e in epochs), default=None),
+                wall_s=(summary or {}).get("wall_s"), train_s=times[-1] if times else None,
+                time_to_first_step_s=(summary or {}).get("time_to_first_step_s"),
+                stopped_early=status == "stopped early", error=error or "",
+                run_dir=folder.uri, config=cfg, curve=list(zip(times, (e.test_acc for e in epochs))))
+
+
+def collect(search_dir: storage.Location, names: list[str], metric: str, mode: str,
+            errors: Optional[dict[str, str]] = None) -> list[dict]:
+    rows = [trial_row(f, names, metric, mode, errors or {}) for f in trial_folders(search_dir)]
+    return [r for r in rows if r is not None]
+
+
+def best_row(rows: list[dict], mode: str) -> Optional[dict]:
+    scored = [r for r in rows if r["best_metric"] is not None]
+    if not scored:
+        return None
+    return (max if mode == "max" else min)(scored, key=lambda r: r["best_metric"])
+
+
+def train_command(cfg: dict, storage_path: str, name: str) -> str:
+    """`python -m ray_job train ...` with every flag of this config that is not its recipe's
+    default, writing into `storage_path`/`name` (the trial's own folder: it continues there)."""
+    recipe = cfg.get("recipe", "default")
+    defaults = dataclasses.replace(TrainConfig(), **RECIPES.get(recipe, {})).to_dict()
+    args = ["python", "-m", "ray_job", "train"]
+    unread = UNREAD_BY_DATA.get(cfg.get("data"), ())
+    for key, value in cfg.items():
+        if key in NOT_REPEATED or key in unread or key not in defaults or value == defaults[key] or value is None:
+            continue
+        flag = f"--{flag_name(key)}"
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag_name(key)}")
+        else:
+            args += [flag, str(value)]  # str(float) gives back the same float
+    return shlex.join([*args, "--storage-path", storage_path, "--name", name])
+
+
+def _cell(value: Any, seconds: bool = False) -> str:
+    if value is None or value == "":
+        return ""
+    if seconds:
+        return f"{value:.1f}"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e-2 or abs(value) >= 1e4 else f"{value:.4f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+def markdown(meta: dict, rows: list[dict], names: list[str]) -> str:
+    other = [f"best {meta['metric']}"] if meta["metric"] != "test_acc" else []
+    head = ["trial", *names, "status", "epochs", "best test acc", "last test acc", *other, "wall s",
+            "train s", "1st step s"]
+    keys = ["trial", *names, "status", "epochs", "best_test_acc", "last_test_acc",
+            *(["best_metric"] if other else []), "wall_s", "train_s", "time_to_first_step_s"]
+    lines = [f"# Search `{meta['name']}`", "", f"{meta['date']} on {meta['host']}  ", f"`{meta['command']}`", "",
+             meta["how"], "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_cell(r[k], k.endswith("_s")) for k in keys) + " |" for r in rows]
+    lines += ["", meta["budget"]]
+    lines += [f"\n{r['trial']} failed: {r['error']}" for r in rows if r["error"]]
+    if meta.get("best"):
+        lines += ["", meta["best"]]
+    lines += ["", "wall s: the trial's last start (a resumed trial counts from its resume); train s: "
+              "seconds in its epochs (training and evaluation); 1st step s: from the trial's start to its "
+              "first training step (Ray Train start-up)."]
+    return "\n".join(lines)
+
+
+def write_outputs(search_dir: storage.Location, meta: dict, rows: list[dict], names: list[str]) -> str:
+    """tune.csv, tune.md and tune.png in the search folder; returns the Markdown."""
+    keys = ["trial", *names, *COLUMNS[1:], "run_dir"]
+    search_dir.join(TUNE_CSV).write_text(csv_text(rows, keys))
+    table = markdown(meta, rows, names)
+    search_dir.join(TUNE_MD).write_text(table + "\n")
+    png = io.BytesIO()
+    plot(meta, rows, names, png)
+    search_dir.join(TUNE_PNG).write_bytes(png.getvalue())
+    return table
+
+
+def plot(meta: dict, rows: list[dict], names: list[str], out: Any) -> None:
+    """Left: test accuracy against seconds in epochs, a line per trial (x: stopped early). Then one
+    panel per searched flag: each trial's best test accuracy against its value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 1 + len(names), figsize=(5.5 * (1 + len(names)), 4.5), squeeze=False)
+    ax = axes[0][0]
+    for r in rows:
+        if r["curve"]:
+            xs, ys = zip(*r["curve"])
+            line, = ax.plot(xs, ys, "o-", ms=3, label=r["trial"])
+            if r["stopped_early"]:
+                ax.plot(xs[-1], ys[-1], "x", color=line.get_color(), ms=9, mew=2)
+    ax.set(xlabel="seconds in epochs (training + evaluation)", ylabel="test accuracy",
+           title="trials (x: stopped early)")
+    if rows and len(rows) <= 12:
+        ax.legend(fontsize=7)
+    colours = {"finished": "tab:green", "stopped early": "tab:red", "interrupted": "tab:orange"}
+    for ax, name in zip(axes[0][1:], names):
+        for status, colour in colours.items():
+            pts = [(r[name], r["best_test_acc"]) for r in rows if r["status"] == status
+                   and r["best_test_acc"] is not None and r[name] is not None]
+            if pts:
+                ax.scatter(*zip(*pts), color=colour, label=status)
+        if meta["log_scale"].get(name):
+            ax.set_xscale("log")
+        ax.set(xlabel=name, ylabel="best test accuracy", title=f"best test accuracy against {name}")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{meta['name']} ({meta['date']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100, format="png")
+    plt.close(fig)

@@ -1,0 +1,227 @@
+"""The search on a Ray cluster: the checks, Ray Tune (a new search, or the same one continued), the
+report and the exit code.
+
+Ray Tune's experiment lives in the search folder <storage-path>/<name>/ (its state: tuner.pkl,
+experiment_state-*.json, the searcher's state), beside search.json (what this search is), the
+trials' run folders trial_NNN/, and the report. The same command again finds Tune's state there and
+continues (Tuner.restore): finished and early-stopped trials stay as they are, interrupted ones
+resume from their checkpoints, and the searcher goes on where it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import shlex
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from .. import storage
+from ..core.errors import UsageError
+from ..core.exits import ExitCode
+from ..storage import StorageError
+from ..train import stop
+from ..train.driver import check_sizes, preflight
+from ..train.trainer import connect, resolve_workers, worker_size, workers_that_fit
+from . import control, report
+from .options import Search
+from .progress import SearchProgress, values_text
+from .scheduler import EpochASHA
+from .space import check_against
+from .trial import TrialSetup, run_trial, trial_dirname
+
+SEARCH_JSON = "search.json"
+# The trial function's actor holds no CPU or GPU: its run's Train workers need them (on a small
+# cluster one CPU per trial would leave too few). Tune refuses a request of nothing at all, so it
+# asks for one byte of memory.
+TRIAL_RESOURCES = {"CPU": 0, "memory": 1}
+
+
+def run_search(search: Search, argv: list[str], callbacks: Sequence[Any] = (),
+               trial_callbacks: Sequence[Any] = ()) -> int:
+    """`python -m ray_job tune`: the exit code. `callbacks`: more Ray Tune callbacks on this driver
+    (e.g. a tracking parent run); `trial_callbacks`: see TrialSetup.callbacks."""
+    search = dataclasses.replace(search, base=preflight(search.base))
+    search_dir = storage.at(search.search_dir())
+    record = {**search.record(), "command": "python -m ray_job tune " + shlex.join(argv)}
+    check_same_search(record, search_dir)
+    try:
+        search_dir.makedirs()
+        stop.clear(search_dir)  # a requeued search must not stop at once
+    except StorageError as e:
+        raise UsageError(str(e)) from None
+    control.ACTIVE = live = control.SearchControl(search_dir.uri)
+    live.take_signals()  # from now on a stop request; again once Tune has put in its own
+    try:
+        return searched(search, search_dir, record, live, callbacks, trial_callbacks)
+    except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM before Tune ran
+        print(f"tune: aborted by a second {live.signals.reason}", flush=True)
+        return live.signals.exit_code
+    finally:
+        control.ACTIVE = None
+        live.give_back_signals()
+
+
+def searched(search: Search, search_dir: storage.Location, record: dict, live: control.SearchControl,
+             callbacks: Sequence[Any], trial_callbacks: Sequence[Any]) -> int:
+    connect(search.base)
+    search, at_once = fit_cluster(search)
+    storage.write_json(search_dir.join(SEARCH_JSON), record)
+    quiet_tune()
+    meta = describe(search, at_once, record["command"])
+    print(f"tune: {meta['how']}\ntune: search folder {search_dir.uri}", flush=True)
+    errors: dict[str, str] = {}
+    try:
+        grid = tuner_for(search, at_once, callbacks, trial_callbacks).fit()
+        errors = trial_errors(grid)
+    except KeyboardInterrupt:
+        print(f"tune: aborted by a second {live.signals.reason}; the trials resume from their last "
+              f"checkpoints when the same command runs again", flush=True)
+    rows = write_report(search, search_dir, meta, errors)
+    return exit_code(rows, live)
+
+
+def quiet_tune() -> None:
+    """Our progress lines instead of Tune's tables; no per-trial result files of Tune's (each trial's
+    run folder has its metrics), so no warning that they are missing either."""
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
+
+
+def check_same_search(record: dict, search_dir: storage.Location) -> None:
+    """The same --name continues the same search; other values under it are refused."""
+    try:
+        saved = storage.read_json(search_dir.join(SEARCH_JSON))
+    except FileNotFoundError:
+        return
+    except (StorageError, ValueError) as e:
+        raise UsageError(f"cannot read the search's {SEARCH_JSON}: {e}") from None
+    differ = [k for k in ("space", "options") if saved.get(k) != record[k]]
+    differ += [f"--{k.replace('_', '-')}" for k, v in record["train"].items() if saved.get("train", {}).get(k) != v]
+    if differ:
+        raise UsageError(f"{search_dir.uri} holds a search with other values ({', '.join(differ[:4])} differ); "
+                         f"use a new --name, or the same flags to continue it")
+
+
+def fit_cluster(search: Search) -> tuple[Search, int]:
+    """The workers per trial and the trials at once, checked against the cluster; every value of
+    the space checked against the batch split."""
+    base = resolve_workers(search.base)  # --num-workers must fit, alone
+    gpus = base.gpus_per_worker if base.use_gpu else 0
+    fits = workers_that_fit(base.cpus_per_worker, gpus)
+    most = fits // base.num_workers
+    at_once = search.opts.max_concurrent_trials or min(most, search.opts.num_samples)
+    if at_once > most:
+        raise UsageError(f"--max-concurrent-trials {at_once} x --num-workers {base.num_workers} = "
+                         f"{at_once * base.num_workers} workers of {worker_size(base.cpus_per_worker, gpus)} "
+                         f"each, but the cluster holds at most {fits}; lower --max-concurrent-trials "
+                         f"(at most {most} here) or --num-workers, or add nodes")
+    worlds = {base.min_workers or base.num_workers, base.num_workers}
+    for world in worlds:
+        check_sizes(base, world)
+    check_against(search.space, base, worlds, check_sizes)
+    return dataclasses.replace(search, base=base), at_once
+
+
+def describe(search: Search, at_once: int, command: str) -> dict:
+    """The report's header facts."""
+    o, b = search.opts, search.base
+    how = (f"{o.num_samples} trials of {b.epochs} epochs, {at_once} at once, {b.num_workers} worker(s) each; "
+           f"search {o.search} (seed {o.search_seed}), scheduler {o.scheduler}"
+           + (f" (grace {o.grace_epochs} epochs, reduction factor {o.reduction_factor:g})" if o.scheduler == "asha"
+              else "") + f"; metric {o.metric} ({o.direction})")
+    return dict(name=b.name, date=time.strftime("%Y-%m-%d %H:%M:%S %z"), host=platform.node(), command=command,
+                how=how, metric=o.metric, log_scale={d.name: d.kind == "loguniform" for d in search.space})
+
+
+def tuner_for(search: Search, at_once: int, callbacks: Sequence[Any], trial_callbacks: Sequence[Any]):
+    """A new Tuner, or the search's own continued from its state in the search folder."""
+    from ray import tune
+
+    root = storage.at(search.base.storage_path)
+    fs = storage.for_ray(root, search.base.retry_storage_s)
+    search_dir = root.join(search.base.name)
+    env = tuple((k, v) for k, v in os.environ.items() if k.startswith("AWS_")) if not root.is_local else ()
+    setup = TrialSetup(base=search.base.to_dict(), search_dir=search_dir.uri, callbacks=tuple(trial_callbacks),
+                       env=env)
+    trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), TRIAL_RESOURCES)
+    if tune.Tuner.can_restore(search_dir.path, storage_filesystem=fs):
+        print(f"tune: continuing the search {search.base.name!r} from its saved state", flush=True)
+        return tune.Tuner.restore(search_dir.path, trainable, resume_unfinished=True, resume_errored=False,
+                                  storage_filesystem=fs)
+    o = search.opts
+    return tune.Tuner(
+        trainable,
+        param_space={d.name: d.to_tune() for d in search.space},
+        tune_config=tune.TuneConfig(
+            metric=o.metric, mode=o.direction, num_samples=o.num_samples,
+            scheduler=scheduler_for(search, search_dir.uri), search_alg=searcher_for(search, at_once),
+            trial_name_creator=trial_dirname, trial_dirname_creator=trial_dirname, reuse_actors=False),
+        run_config=tune.RunConfig(
+            name=search.base.name, storage_path=root.path, storage_filesystem=fs, verbose=0,
+            failure_config=tune.FailureConfig(max_failures=0),
+            callbacks=[SearchProgress(o.metric, o.direction, search.base.epochs, o.num_samples),
+                       *callbacks]))
+
+
+def scheduler_for(search: Search, search_dir: str) -> Optional[Any]:
+    o = search.opts
+    if o.scheduler == "none":
+        return None
+    return EpochASHA(search_dir, o.metric, search.base.epochs, o.grace_epochs, o.reduction_factor)
+
+
+def searcher_for(search: Search, at_once: int) -> Any:
+    """The search algorithm, limited to `at_once` trials at a time (Tune's max_concurrent_trials
+    wraps Optuna, but not the random search, which takes the limit itself)."""
+    if search.opts.search == "optuna":
+        from ray.tune.search import ConcurrencyLimiter
+        from ray.tune.search.optuna import OptunaSearch
+
+        return ConcurrencyLimiter(OptunaSearch(seed=search.opts.search_seed), max_concurrent=at_once)
+    from ray.tune.search import BasicVariantGenerator
+
+    return BasicVariantGenerator(random_state=search.opts.search_seed, max_concurrent=at_once)
+
+
+def trial_errors(grid: Any) -> dict[str, str]:
+    """trial folder -> the one-line error of each failed trial (Tune's record)."""
+    errors = {}
+    for result in grid:
+        if result.error is not None:
+            name = str(result.path).rstrip("/").rsplit("/", 1)[-1]
+            lines = [ln for ln in str(result.error).splitlines() if ln.strip()]
+            errors[name] = (lines[-1] if lines else type(result.error).__name__)[:300]
+    return errors
+
+
+def write_report(search: Search, search_dir: storage.Location, meta: dict, errors: dict[str, str]) -> list[dict]:
+    names = [d.name for d in search.space]
+    o = search.opts
+    rows = report.collect(search_dir, names, o.metric, o.direction, errors)
+    epochs_run = sum(r["epochs"] for r in rows)
+    full = o.num_samples * search.base.epochs
+    meta["budget"] = (f"Trial-epochs run: {epochs_run} of {o.num_samples} x {search.base.epochs} = {full} "
+                      f"without early stopping; {sum(r['stopped_early'] for r in rows)} trial(s) stopped early, "
+                      f"{len(rows)} of {o.num_samples} started.")
+    best = report.best_row(rows, o.direction)
+    if best is not None:
+        command = report.train_command(best["config"], search_dir.uri, best["trial"])
+        meta["best"] = (f"Best: {best['trial']} ({values_text({n: best[n] for n in names})}), {o.metric} "
+                        f"{best['best_metric']:.4f}. Continue it (more --epochs extend it):\n\n    {command}")
+    table = report.write_outputs(search_dir, meta, rows, names)
+    print(table, flush=True)
+    print(f"search results: {search_dir.uri}/{{{report.TUNE_CSV},{report.TUNE_MD},{report.TUNE_PNG}}}", flush=True)
+    return rows
+
+
+def exit_code(rows: list[dict], live: control.SearchControl) -> int:
+    if live.stop_requested():
+        print("search stopped on request; run the same command (same --name) to continue it: finished "
+              "and early-stopped trials are kept, the others resume from their checkpoints", flush=True)
+        return live.signals.exit_code
+    return ExitCode.FAILED if any(r["status"] == "failed" for r in rows) else ExitCode.DONE

@@ -1,0 +1,183 @@
+"""One trial: Tune's trial function, which runs an ordinary `train` run with the sampled values.
+
+It runs in the trial's Ray actor (which holds no CPU: the run's Train workers take the cluster's)
+and uses the train driver's own steps -- the run folder's lease, its stop request, start_run,
+fit_and_summarise -- so a trial is a run like any other: its folder <search>/trial_NNN/ holds
+config.json, metrics, TensorBoard, checkpoints and summary.json, and `python -m ray_job train` with
+the same flags continues it.
+
+Only epoch results reach Tune (EpochResults): the worker loop also reports when a background
+checkpoint upload finishes and at timed or stop checkpoints (test_acc -1); Tune, its scheduler and
+its searcher see exactly one result per finished epoch, with `epoch` as the time attribute.
+
+How a trial ends, as Tune must see it:
+  - the run finished its epochs, or the scheduler stopped it early (the run checkpointed at its
+    next step): the function returns, Tune marks the trial done;
+  - the search was asked to stop: the run checkpoints and stops, and the function *parks* (never
+    returns), so Tune still has the trial as running when the search ends it, and saves it as
+    unfinished: the same search run again resumes it from its checkpoint;
+  - the run failed: the function raises, Tune marks the trial failed.
+Run again on a finished or early-stopped run folder (Tune's record of it was older), it reports the
+epochs the folder holds and returns, without training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from .. import storage
+from ..config import TrainConfig
+from ..core.exits import ExitCode, is_stop
+from ..storage import StorageError
+from ..train import stop
+from ..train.driver import fit_and_summarise, open_run_folder, run_lease, start_run
+from ..train.runfiles import CONFIG_JSON, METRICS_JSONL, SUMMARY_JSON
+from ..train.runlog import read_metrics
+from .space import trial_config
+
+log = logging.getLogger("ray_job.tune")
+
+TRIAL_PREFIX = "trial_"
+EARLY_STOPPED = "stopped early by the search's scheduler (ASHA)"
+SEARCH_STOPPED = "the search was asked to stop"
+# A key of an epoch's metrics that no other report of the worker loop carries.
+EPOCH_KEY = "train_loss"
+REPLAYED = "replayed"  # a result re-sent from the run folder (the trial had already run)
+EARLY_STOP_FILE = ".early_stop"  # the scheduler's stop of this trial (beside the run's stop request)
+
+
+def trial_dirname(trial: Any) -> str:
+    """trial_NNN, from the number Tune's search gave the trial (kept across restores). Also the
+    trial's name in Tune, so the trial function finds its folder from its context."""
+    return f"{TRIAL_PREFIX}{int(str(trial.experiment_tag).split('_')[0]):03d}"
+
+
+@dataclass(frozen=True)
+class TrialSetup:
+    """What every trial shares (sent once to the cluster with tune.with_parameters).
+
+    `callbacks`: more Ray Train UserCallbacks for each trial's run, each made by calling the entry
+    with the trial's TrainConfig (experiment tracking adds its own here)."""
+
+    base: dict                 # the fixed train flags (TrainConfig.to_dict())
+    search_dir: str            # <storage-path>/<search name>
+    callbacks: tuple[Callable[[TrainConfig], Any], ...] = ()
+    # The driver's object-storage settings (AWS_*): the trial function writes its run's files as
+    # the train driver does, in an actor that may run where the user's shell did not set them.
+    env: tuple[tuple[str, str], ...] = ()
+
+
+class EpochResults(TuneReportCallback):
+    """Tune's report callback (on Ray Train's controller), passing on epoch results only, without
+    the checkpoint path (a trial's checkpoints are its run's, found again by its name)."""
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if metrics and EPOCH_KEY in metrics[0]:
+            super().after_report(run_context, metrics, None)
+
+
+class StopReason:
+    """Why a trial's run stopped, in the form fit_and_summarise asks of stop.Signals."""
+
+    exit_code = ExitCode.STOPPED
+
+    def __init__(self, search_dir: str, run_dir: str):
+        self.search_dir, self.run_dir = search_dir, run_dir
+
+    @property
+    def early(self) -> bool:
+        return storage.at(self.run_dir).join(EARLY_STOP_FILE).exists()
+
+    @property
+    def reason(self) -> str:
+        return EARLY_STOPPED if self.early or not stop.requested(self.search_dir) else SEARCH_STOPPED
+
+
+class TrialFailed(Exception):
+    """The trial's run failed; Tune marks the trial as failed, with this message."""
+
+
+def run_trial(config: dict, setup: TrialSetup) -> None:
+    """Tune's trial function: `config` holds the sampled values of the searched flags."""
+    from ray import tune
+
+    started = time.time()
+    os.environ.update(dict(setup.env))  # this actor runs this trial only (reuse_actors=False)
+    name = tune.get_context().get_trial_name()
+    cfg = dataclasses.replace(trial_config(TrainConfig(**setup.base), config),
+                              storage_path=setup.search_dir, name=name)
+    if stop.requested(setup.search_dir):  # started while the search stops: leave it for the next run
+        park(cfg)
+    set_aside_other(cfg)
+    if ran_before(cfg):
+        return replay(cfg)
+    why = StopReason(setup.search_dir, cfg.run_dir())
+    with run_lease(cfg):
+        open_run_folder(cfg)
+        with stop.forward(setup.search_dir, cfg.run_dir()):
+            cfg = start_run(cfg)
+            rc = fit_and_summarise(cfg, started, callbacks=callbacks_for(setup, cfg), signals=why)
+    if is_stop(rc) and why.reason == SEARCH_STOPPED:
+        park(cfg)
+    if rc != ExitCode.DONE and not is_stop(rc):
+        raise TrialFailed(f"{cfg.name}: train exited with {rc}; see {cfg.run_dir()}/{SUMMARY_JSON}")
+
+
+def park(cfg: TrainConfig) -> None:
+    """Never returns: the search ends this trial's actor once every running trial has parked."""
+    log.info("%s: checkpointed; waiting for the search to stop", cfg.name)
+    while True:
+        time.sleep(60)
+
+
+def read_summary(cfg: TrainConfig) -> Optional[dict]:
+    try:
+        return storage.read_json(storage.at(cfg.run_dir()).join(SUMMARY_JSON))
+    except (FileNotFoundError, StorageError, ValueError):
+        return None
+
+
+def ran_before(cfg: TrainConfig) -> bool:
+    """The folder holds this trial finished, or stopped early by the scheduler."""
+    summary = read_summary(cfg) or {}
+    finished = summary.get("finished") and summary.get("epochs_completed", 0) >= cfg.epochs
+    return bool(finished or summary.get("stopped") == EARLY_STOPPED)
+
+
+def replay(cfg: TrainConfig) -> None:
+    """Tune hears the epochs again (its record of this trial was older than the run folder)."""
+    from ray import tune
+
+    rows = read_metrics(storage.at(cfg.run_dir()).join(METRICS_JSONL))
+    log.info("%s: already ran (%d epochs); reporting them without training", cfg.name, len(rows))
+    for row in rows:
+        tune.report({**row.to_dict(), REPLAYED: True})
+
+
+def set_aside_other(cfg: TrainConfig) -> None:
+    """A folder of this name that holds another trial's flags (a search whose record was older than
+    its folders drew new values) is moved aside, and this trial starts afresh."""
+    folder = storage.at(cfg.run_dir())
+    try:
+        saved = storage.read_json(folder.join(CONFIG_JSON))
+    except (FileNotFoundError, StorageError, ValueError):
+        return
+    wanted = {k: v for k, v in cfg.result_fields().items() if k not in ("name", "storage_path")}
+    if {k: saved.get(k) for k in wanted} == wanted:
+        return
+    aside = storage.at(f"{folder.uri}.other-{time.strftime('%Y%m%d_%H%M%S')}", near=folder)
+    log.warning("%s holds a trial with other values; moving it aside to %s", folder.uri, aside.uri)
+    folder.move_to(aside)
+
+
+def callbacks_for(setup: TrialSetup, cfg: TrainConfig) -> Sequence[Any]:
+    """The Ray Train callbacks of a trial's run: Tune's (epoch results), then the setup's."""
+    return [EpochResults(), *(make(cfg) for make in setup.callbacks)]
