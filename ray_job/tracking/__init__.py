@@ -23,7 +23,10 @@ The API, for `train`, `scale sweep` and `tune` (what train/tracked.py wraps for 
       search; STATE is a Location of a JSON file in its folder (its id survives a requeue)
   child:  train.tracked.start(point_cfg, parent_id=parent.run_id) -> Tracking; its
       `.callbacks()` go into the trainer's RunConfig(callbacks=...) (beside Tune's report
-      callback), `.finish(exit_code, tags=...)` completes it
+      callback), `.finish(exit_code, tags=...)` completes it (e.g. tags={"ray_job.early_stopped":
+      True}). In a process without the user's environment (a Tune trial's actor) pass
+      `settings=Settings.of(cfg)` made on the user's driver: it carries the credentials.
+  train.tracked.open_parent / finish_parent wrap the parent's side for a command like `scale sweep`
   parent.log_files({name: bytes}); parent.finish("FINISHED" | "KILLED" | "FAILED")
 """
 
