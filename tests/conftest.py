@@ -40,6 +40,8 @@ SESSION_TOKEN = os.path.join(SESSION_DIR, "token")
 with open(os.open(SESSION_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as _f:
     _f.write(os.urandom(32).hex())
 os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=SESSION_TOKEN)
+# MLflow clients of the tests (and of the runs they start) send no usage telemetry anywhere.
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 # Marks that a test needs a real system; a test with none of them is `unit` (the inner loop).
 HEAVY = ("ray", "slurm", "s3", "mlflow")
 FIXTURE_MARKS = {"ray_cluster": "ray", "ray_joined": "ray", "trained_run": "ray", "slurm_cluster": "slurm",
@@ -434,3 +436,24 @@ def s3(s3_server_session):
     yield s3_server_session
     if not s3_server_session.running:
         s3_server_session.start()
+
+
+# --- mlflow ---------------------------------------------------------------------------------------
+# A real MLflow tracking server (`mlflow server`, SQLite backend, proxied artifacts, basic auth; see
+# tests/mlflow_server.py), one for the whole session, stopped by its PID.
+@pytest.fixture(scope="session")
+def mlflow_server():
+    from mlflow_server import MlflowServer, missing_requirement
+
+    reason = missing_requirement()
+    if reason:
+        pytest.skip(reason)
+    root = tempfile.mkdtemp(prefix="rjmlf", dir="/tmp")
+    started = time.monotonic()
+    server = MlflowServer(root).start()
+    print(f"\nMLflow test server pid {server.proc.pid} at {server.uri}, up in {time.monotonic() - started:.1f} s")
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -34,10 +34,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.ray
 def test_sweep_strong_and_weak_on_one_and_two_workers(ray_joined, tmp_path, capsys):
-    """One sweep (3 runs: the shared 1-worker run, strong 2, weak 2; 4 workers cannot fit)."""
+    """One sweep (3 runs: the shared 1-worker run, strong 2, weak 2; 4 workers cannot fit), tracked
+    in MLflow's local default (no server): a parent run, one child per point."""
     out = tmp_path / "results" / "sweep"
     argv = ["--workers", "1,2,4", "--mode", "both", *SWEEP, "--storage-path",
-            str(tmp_path / "results"), "--name", "sweep"]
+            str(tmp_path / "results"), "--name", "sweep", "--mlflow"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
 
@@ -82,12 +83,14 @@ def test_sweep_strong_and_weak_on_one_and_two_workers(ray_joined, tmp_path, caps
     assert "cannot fit" in table and table.strip() in printed
     assert sorted(sweep["columns"]) == sorted(COLUMNS)  # every column explained
     _assert_every_json_is_strict(out)
+    tracked = _assert_tracked_as_parent_and_children(tmp_path / "results")
 
     # The same command again (a requeued SLURM job): finished points are reused, nothing retrains.
     assert main(argv) == 0
     again = strict_json((out / "scaling.json").read_text())["rows"]
     assert [r["reason"].startswith("reused") for r in again if r["status"] == "ok"] == [True] * 4
     assert [r["step_s"] for r in again] == [r["step_s"] for r in rows]
+    assert _assert_tracked_as_parent_and_children(tmp_path / "results") == tracked  # the same runs, none new
     assert main([*argv, "--mode", "weak", "--workers", "1"]) == 0  # w1 serves either mode
     with pytest.raises(UsageError, match="other flags"):
         main([*argv, "--seed", "1"])
@@ -100,6 +103,26 @@ def test_sweep_strong_and_weak_on_one_and_two_workers(ray_joined, tmp_path, caps
     assert "1-worker run w1" in projected and "10gbe" in projected
     assert [l.split()[:2] for l in projected.splitlines() if l.strip().startswith(("strong", "weak"))] \
         == [["strong", "1"], ["strong", "2"], ["strong", "8"], ["weak", "1"], ["weak", "2"], ["weak", "8"]]
+
+
+def _assert_tracked_as_parent_and_children(storage_path) -> dict:
+    """--mlflow without a URI: sqlite:///<storage-path>/mlflow.db; the sweep is a parent run with its
+    scaling files, each point that ran a child with its epoch; the runs by name."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{storage_path}/mlflow.db")
+    runs = {r.data.tags["mlflow.runName"]: r
+            for r in client.search_runs([client.get_experiment_by_name("ray_job").experiment_id])}
+    assert sorted(runs) == ["strong_w2", "sweep", "w1", "weak_w2"]  # 4 workers never ran: no run
+    parent = runs["sweep"]
+    assert parent.info.status == "FINISHED" and parent.data.params["workers"] == "(1, 2, 4)"
+    assert sorted(a.path for a in client.list_artifacts(parent.info.run_id)) == [
+        "scaling.csv", "scaling.json", "scaling.md", "scaling.png"]
+    for name in ("w1", "strong_w2", "weak_w2"):
+        child = runs[name]
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id and child.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "steady_images_per_s")] == [1]
+    return {name: r.info.run_id for name, r in runs.items()}
 
 
 def _reject_constant(name):

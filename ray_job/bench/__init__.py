@@ -8,6 +8,8 @@
     bench race        time to accuracy: the baseline's recipe vs `train --recipe fast` (race.py)
     bench checkpoints the cost of checkpoints: steady img/s and the stall per checkpoint, none vs
                       synchronous vs asynchronous, local folder and object storage (checkpoints.py)
+    bench tracking    the cost of --mlflow: the tracking calls of a run's start, of each epoch and
+                      of its end, timed against a store (tracking.py)
 
 Each writes its report as strict JSON (--out) beside what it prints. The parts share common.py
 (device, timed steps, launchers) and ceiling.py (the device's peak FLOP/s).
@@ -27,6 +29,7 @@ COMMANDS = {
     "vs-ddp": ("vsddp", "VsDdpConfig"),
     "race": ("race", "RaceConfig"),
     "checkpoints": ("checkpoints", "CheckpointBenchConfig"),
+    "tracking": ("tracking", "TrackingBenchConfig"),
 }
 
 

@@ -46,6 +46,15 @@ class Allocation:
         )
 
 
+def job_facts(env: Mapping[str, str]) -> dict:
+    """The job id and requeue count when this process runs in a SLURM job ({} otherwise): what a
+    run records about where it ran (experiment tracking's tags)."""
+    if not env.get("SLURM_JOB_ID"):
+        return {}
+    count = env.get("SLURM_RESTART_COUNT") or "0"
+    return {"job_id": env["SLURM_JOB_ID"], "restart_count": int(count) if count.isdigit() else count}
+
+
 def _count(env: Mapping[str, str], name: str, default: str) -> int:
     text = env.get(name) or default
     if not text.isdigit():

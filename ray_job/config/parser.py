@@ -19,6 +19,7 @@ GROUP_TITLES = {
     "data": "data",
     "speed": "speed (GPU fast path)",
     "results": "results, checkpoints and fault tolerance",
+    "tracking": "experiment tracking (MLflow)",
 }
 
 

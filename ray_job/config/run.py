@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from ..core.errors import UsageError
 from ..core.flags import flag_name, option
-from ..core.paths import join_path, resolve_path
+from ..core.paths import join_path, resolve_path, split_userinfo
 
 MODELS = ("resnet18", "resnet34", "resnet50")
 STEMS = ("cifar", "imagenet")
@@ -168,6 +168,19 @@ class TrainConfig:
     progress: str = _opt("auto", "progress display: a live bar (on a terminal), or plain lines (SLURM logs, "
                          "`ray job logs`); auto = bar when the driver's stdout is a terminal", "results",
                          choices=PROGRESS, affects_result=False)
+    # --- experiment tracking (ray_job/tracking; docs/tracking.md) ---
+    mlflow: bool = _opt(False, "track the run in MLflow: params, per-epoch metrics, tags, the run files and the "
+                        "best checkpoint's model; a resumed run continues its MLflow run", "tracking",
+                        bool_flag=True, affects_result=False)
+    mlflow_uri: str = _opt("", "MLflow tracking URI (http(s)://HOST:PORT of a tracking server, or sqlite:///FILE); "
+                           "default: $MLFLOW_TRACKING_URI, else sqlite:///<storage-path>/mlflow.db (no server). "
+                           "Credentials only in MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN",
+                           "tracking", affects_result=False)
+    mlflow_experiment: str = _opt("ray_job", "MLflow experiment (created when missing)", "tracking",
+                                  affects_result=False)
+    mlflow_register: str = _opt("", "also register the best checkpoint's model under this name in MLflow's "
+                                "model registry (a new version per finished run)", "tracking",
+                                affects_result=False)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -203,6 +216,16 @@ class TrainConfig:
                              f"ray_job prepare-data --from cifar10 ...` to resize it")
         if self.loader_workers < -1:
             raise UsageError("--loader-workers must be -1 (auto) or a count >= 0")
+        self.check_tracking()
+
+    def check_tracking(self) -> None:
+        if split_userinfo(self.mlflow_uri)[1]:
+            raise UsageError(f"--mlflow-uri {split_userinfo(self.mlflow_uri)[0]} holds a user name (and "
+                             f"password), which would show in logs and process lists; give the bare URI and "
+                             f"set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)")
+        given = [f"--{flag_name(n)}" for n in ("mlflow_uri", "mlflow_register") if getattr(self, n)]
+        if given and not self.mlflow:
+            raise UsageError(f"{' and '.join(given)} need --mlflow (tracking is off without it)")
 
     # Derived values: computed, never stored, so a dict round-trip cannot make them stale.
     def per_worker_batch(self, world_size: int) -> int:

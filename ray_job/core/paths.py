@@ -24,3 +24,16 @@ def join_path(base: str, *parts: str) -> str:
     if is_uri(base):
         return "/".join([base.rstrip("/"), *parts])
     return os.path.join(base, *parts)
+
+
+def split_userinfo(uri: str) -> tuple[str, str, str]:
+    """(`uri` without its `user:password@`, the user, the password): credentials in a URL must
+    never be printed or saved, only handed to the client that needs them."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri, "", ""
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    return urlunsplit(parts._replace(netloc=host)), unquote(user), unquote(password)

@@ -15,12 +15,12 @@ import shlex
 import time
 from typing import Any, Optional
 
-from .. import storage
+from .. import storage, tracking
 from ..config import TrainConfig, choose_use_gpu
 from ..core.errors import UsageError
 from ..core.exits import ExitCode, is_stop
 from ..storage import read_json
-from ..train import stop
+from ..train import stop, tracked
 from ..train.driver import check_storage, run_training, with_default_name
 from ..train.metrics import EpochMetrics
 from ..train.runfiles import CONFIG_JSON, SUMMARY_JSON
@@ -38,6 +38,7 @@ def run_sweep(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Lin
     """The whole sweep; `link` None means --link auto (chosen once the cluster is known)."""
     cfg = with_default_name(cfg.with_resolved_paths())  # before any point config is built
     check_storage(cfg)
+    cfg = tracking.check(cfg)  # --mlflow: the store reached; every point is tracked at this URI
     sweep_dir = cfg.run_dir()
     try:
         storage.at(sweep_dir).makedirs()
@@ -56,7 +57,8 @@ def sweep_points(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.
     link = link or auto_link(cluster, cfg, opts)
     overlap = opts.overlap if opts.overlap is not None else bool(cfg.use_gpu)
     load_before = os.getloadavg()[0]
-    rows = measure_all(cfg, sweep_dir, opts.modes, opts.counts)
+    parent = tracked.open_parent(cfg, sweep_dir, "scale sweep", {**cfg.to_dict(), **dataclasses.asdict(opts)})
+    rows = measure_all(cfg, sweep_dir, opts.modes, opts.counts, parent.run_id if parent else None)
     # Other jobs on the driver's host skew the timings: keep the load beside them.
     cluster["driver_host_load_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     profile = profile_from_baseline(rows[0], cfg)
@@ -69,7 +71,9 @@ def sweep_points(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.
                             profile=profile.to_dict() if profile else None))
     print(write_outputs(sweep))
     print(f"scaling results: {sweep_dir}/{{{SCALING_CSV},{SCALING_JSON},{SCALING_MD},{SCALING_PNG}}}")
-    return exit_code(rows, signals)
+    rc = exit_code(rows, signals)
+    tracked.finish_parent(parent, sweep_dir, (SCALING_CSV, SCALING_JSON, SCALING_MD, SCALING_PNG), rc)
+    return rc
 
 
 def exit_code(rows: list[dict], signals: stop.Signals) -> int:
@@ -81,8 +85,10 @@ def exit_code(rows: list[dict], signals: stop.Signals) -> int:
     return ExitCode.FAILED if "failed" in statuses else ExitCode.DONE
 
 
-def measure_all(cfg: TrainConfig, sweep_dir: str, modes: list[str], counts: list[int]) -> list[dict]:
-    """One row per (mode, count), modes in order; the 1-worker run is shared by all modes."""
+def measure_all(cfg: TrainConfig, sweep_dir: str, modes: list[str], counts: list[int],
+                parent_id: Optional[str] = None) -> list[dict]:
+    """One row per (mode, count), modes in order; the 1-worker run is shared by all modes.
+    `parent_id`: the sweep's MLflow run (--mlflow), each point a child of it."""
     plan = [(m, n) for m in modes for n in counts if not (n == 1 and m != modes[0])]
     rows = []
     for i, (mode, n) in enumerate(plan, 1):
@@ -91,7 +97,7 @@ def measure_all(cfg: TrainConfig, sweep_dir: str, modes: list[str], counts: list
                              reason="the sweep was asked to stop (preemption / time limit)"))
             continue
         log.info("scale: point %d/%d: %s scaling, %d worker(s)", i, len(plan), mode, n)
-        rows.append(measure_point(cfg, sweep_dir, mode, n))
+        rows.append(measure_point(cfg, sweep_dir, mode, n, parent_id))
         if rows[-1]["status"] == "preempted":  # asked to stop while running: stop the sweep too
             stop.request(sweep_dir)
     for mode in modes[1:]:
@@ -126,7 +132,8 @@ def point_config(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> T
                                name=f"{mode}_w{workers}", batch_mode=MODES[mode])
 
 
-def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> dict:
+def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int,
+                  parent_id: Optional[str] = None) -> dict:
     """Runs one point; a count that cannot run is a row with status skipped/failed and the reason."""
     point = point_config(cfg, sweep_dir, mode, workers)
     row: dict[str, Any] = dict(mode=mode, workers=workers, status="ok", reason="", run=point.name)
@@ -134,7 +141,7 @@ def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> 
         row["reason"] = "reused: finished by an earlier run of this sweep"
     try:
         with stop.forward(sweep_dir, point.run_dir()):
-            rc = run_training(point)
+            rc = run_training(point, parent_id)
     except UsageError as e:  # does not fit, batch too small for this count, ...
         log.warning("scale: %s %d worker(s) skipped: %s", mode, workers, e)
         return {**row, "status": "skipped", "reason": str(e)}

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from .. import storage
+from .. import storage, tracking
 from ..cluster import raypriv
 from ..config import TrainConfig
 from ..core.errors import UsageError
@@ -25,7 +25,7 @@ from ..core.flags import flag_name
 from ..core.paths import is_uri
 from ..data.datasets import check_data
 from ..storage import StorageError
-from . import stop
+from . import stop, tracked
 from .checkpoint import load_checkpoint
 from .runfiles import CONFIG_JSON
 from .summary import finished_summary, latest_checkpoint, summary_table, write_summary
@@ -93,11 +93,12 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
     check_storage(cfg)
     check_data(cfg)
     check_resume_from(cfg)
-    return cfg
+    return tracking.check(cfg)  # --mlflow: the store reached (the URI decided), else nothing
 
 
-def run_training(cfg: TrainConfig) -> int:
+def run_training(cfg: TrainConfig, parent_id: Optional[str] = None) -> int:
     """`python -m ray_job train`: the whole run, from the checks to the summary; the exit code.
+    `parent_id`: the MLflow run of a sweep or search this run belongs to (with --mlflow).
 
     The run folder's lease is taken before anything else is written there (one writer per run
     folder), and from then until the end SIGUSR1, Ctrl-C and SIGTERM are stop requests (stop.py);
@@ -105,6 +106,7 @@ def run_training(cfg: TrainConfig) -> int:
     started = time.time()
     cfg = preflight(cfg)
     if announce_finished(cfg):
+        tracked.complete_finished(cfg)
         return ExitCode.DONE
     with run_lease(cfg):
         open_run_folder(cfg)
@@ -113,9 +115,25 @@ def run_training(cfg: TrainConfig) -> int:
                 connect(cfg)
                 cfg = start_run(cfg)
                 print("config:\n" + cfg.to_json(), flush=True)
-                return fit_and_summarise(cfg, started, signals=signals)
+                return tracked_fit(cfg, started, signals, parent_id)
             except KeyboardInterrupt:
                 return aborted(cfg, started, signals)
+
+
+def tracked_fit(cfg: TrainConfig, started: float, signals: stop.Signals, parent_id: Optional[str]) -> int:
+    """fit_and_summarise, with its MLflow run (--mlflow) opened before and completed after."""
+    tracking = tracked.start(cfg, parent_id)
+    if tracking is None:
+        return fit_and_summarise(cfg, started, signals=signals)
+    try:
+        rc = fit_and_summarise(cfg, started, callbacks=tracking.callbacks(), signals=signals)
+    except KeyboardInterrupt:  # aborted: no waiting for the store; the next run continues it
+        raise
+    except BaseException:
+        tracking.finish(ExitCode.FAILED)
+        raise
+    tracking.finish(rc)
+    return rc
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ SUMMARY_JSON = "summary.json"     # the driver's account of the run (finished, b
 CONFIG_JSON = "config.json"       # the resolved config
 TENSORBOARD = "tensorboard"       # TensorBoard's event files
 STOP_FILE = ".preempt"            # a stop request (see stop.py)
+MLFLOW_JSON = "mlflow.json"       # the run's MLflow run id and where it is tracked (train/tracked.py)
 LEASE_FILE = ".lease.json"        # the one writer of this folder (see ray_job/storage/lease.py)
 CHECKPOINT_PREFIX = "checkpoint_"  # Ray's checkpoint folders: checkpoint_<date and time>
 
