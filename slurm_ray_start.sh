@@ -31,7 +31,7 @@ set -euo pipefail
 
 JOB_ID="" RESTART_COUNT=0 LOG_DIR="" CPUS_PER_NODE=1 GPUS_PER_NODE=0 MODE=train
 STORAGE_PATH="" RUN_NAME="" WANT_GPU=0  # set by plan_job from ray_job.commands.slurm_plan
-DRIVER_ARGS=()        # flags for `python -m ray_job $MODE` (this script adds --address)
+DRIVER_ARGS=()        # `python -m ray_job $MODE` flags (the head: RAY_ADDRESS, exported below)
 NODES=() NODE_IPS=()  # SLURM node names and their addresses; index 0 hosts the head
 NODE_PIDS=()          # PIDs of the `srun ... ray start --block` steps, same order
 NODE_RESTARTS=() NODE_RETRY_AT=()  # restarts of each node's Ray so far, and when the next may be
@@ -191,8 +191,8 @@ on_usr1() {
 
 run_driver() {
   local rc=0
-  log "driver: $RJ_PYTHON -m ray_job $MODE --address $GCS_ADDRESS ${DRIVER_ARGS[*]}"
-  "$RJ_PYTHON" -m ray_job "$MODE" --address "$GCS_ADDRESS" "${DRIVER_ARGS[@]}" &
+  log "driver: RAY_ADDRESS=$RAY_ADDRESS $RJ_PYTHON -m ray_job $MODE ${DRIVER_ARGS[*]}"
+  "$RJ_PYTHON" -m ray_job "$MODE" "${DRIVER_ARGS[@]}" &
   DRIVER_PID=$!
   # Poll rather than `wait`, to enforce the USR1 grace period and to supervise the nodes.
   while kill -0 "$DRIVER_PID" 2>/dev/null; do

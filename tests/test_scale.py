@@ -213,7 +213,7 @@ def test_sigusr1_to_the_driver_stops_the_sweep(tmp_path, monkeypatch, capsys, tr
 
     points = []
 
-    def fake_training(point):
+    def fake_training(point, parent_id=None):
         points.append(point)
         os.makedirs(point.run_dir(), exist_ok=True)
         with contextlib.ExitStack() as stack:

@@ -28,7 +28,7 @@ def plan(argv: list[str], env: dict = GPU_JOB):
 
 
 def final_config(args):
-    """What the driver will make of the composed flags (the script adds only --address)."""
+    """What the driver will make of the composed flags (the script sets only RAY_ADDRESS)."""
     return config_from_args(build_train_parser(args).parse_args(list(args)))
 
 

@@ -4,7 +4,7 @@ in Python with the commands' own parsers.
 Reads the allocation (ray_job.cluster.slurm.Allocation) and parses the user's mode and flags with the
 driver's own parser. Prints NUL-terminated records, for bash's `mapfile -d ''`: one KEY=VALUE per
 fact (see `plan_records`), then "--", then the driver's flags (the user's, plus the defaults the job
-adds; the script adds only --address). Bad input: one line `error: ...`, exit 2.
+adds; the script sets only RAY_ADDRESS, the head). Bad input: one line `error: ...`, exit 2.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class DriverPlan:
     """How the script runs `python -m ray_job MODE`, and what it reports about the run."""
 
     mode: str                # train | scale | tune | serve (serve: no driver)
-    args: tuple[str, ...]    # flags for the driver; the script adds --address
+    args: tuple[str, ...]    # flags for the driver; the script sets RAY_ADDRESS
     storage_path: str        # effective --storage-path, absolute (for the log)
     run_name: str            # effective --name
     use_gpu: bool            # whether the driver trains on GPUs
