@@ -150,7 +150,7 @@ def test_the_searchers_propose_values_inside_the_space(how):
 SEARCH = [*TINY, "--num-workers", "1", "--epochs", "3", "--synthetic-train-size", "1024",
           "--synthetic-test-size", "128", "--space", "lr=loguniform:0.00001:1", "--num-samples", "3",
           "--max-concurrent-trials", "2", "--reduction-factor", "2", "--storage-path", "results",
-          "--name", "search"]
+          "--name", "search", "--mlflow"]
 
 
 def _rows(search_dir):
@@ -204,8 +204,33 @@ def test_search_interrupted_and_continued(ray_cluster, tmp_path):
     assert f"--name {best['trial']}" in command and f"--storage-path {search_dir}" in command
     rerun = run_cli(*command.split()[3:], cwd=home, env=user_env())  # the best trial's own run, as printed
     assert rerun.returncode == 0 and f"run '{best['trial']}' already finished 3 epochs" in rerun.stdout, rerun
+    _assert_tracked(home / "results", rows)
     print(f"\ntune: 3 trials x 3 epochs: interrupted after {first_s:.0f} s, continued in "
           f"{time.monotonic() - started - first_s:.0f} s")
+
+
+def _assert_tracked(storage_path, rows: dict) -> None:
+    """--mlflow, local default: the search is one parent run with its table and plot, each trial one
+    child (the interrupted one continued, not doubled) with an epoch metric per epoch it ran, and the
+    early-stopped ones tagged so."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{storage_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("ray_job").experiment_id])
+    by_name = {}
+    for r in runs:
+        assert r.data.tags["mlflow.runName"] not in by_name, "a run tracked twice"
+        by_name[r.data.tags["mlflow.runName"]] = r
+    assert sorted(by_name) == ["search", *sorted(rows)]
+    parent = by_name["search"]
+    assert parent.info.status == "FINISHED" and parent.data.params["space"] == "lr=loguniform:1e-05:1"
+    assert sorted(a.path for a in client.list_artifacts(parent.info.run_id)) == ["tune.csv", "tune.md", "tune.png"]
+    for trial, row in rows.items():
+        child = by_name[trial]
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        history = client.get_metric_history(child.info.run_id, "test_acc")
+        assert [m.step for m in history] == list(range(1, int(row["epochs"]) + 1)), (trial, history)
+        assert child.data.tags["ray_job.early_stopped"] == ("true" if row["status"] == "stopped early" else "false")
 
 
 @pytest.mark.timeout(120)

@@ -23,7 +23,8 @@ from .. import storage
 from ..core.errors import UsageError
 from ..core.exits import ExitCode
 from ..storage import StorageError
-from ..train import stop
+from ..tracking.settings import CREDENTIAL_VARS
+from ..train import stop, tracked
 from ..train.driver import check_sizes, preflight
 from ..train.trainer import connect, resolve_workers, worker_size, workers_that_fit
 from . import control, report
@@ -73,15 +74,20 @@ def searched(search: Search, search_dir: storage.Location, record: dict, live: c
     quiet_tune()
     meta = describe(search, at_once, record["command"])
     print(f"tune: {meta['how']}\ntune: search folder {search_dir.uri}", flush=True)
+    # --mlflow: the search is a parent run, each trial a child (tagged when stopped early)
+    parent = tracked.open_parent(search.base, search_dir.uri, "tune",
+                                 {"space": " ".join(record["space"]), **record["options"]})
     errors: dict[str, str] = {}
     try:
-        grid = tuner_for(search, at_once, callbacks, trial_callbacks).fit()
+        grid = tuner_for(search, at_once, callbacks, trial_callbacks, parent.run_id if parent else "").fit()
         errors = trial_errors(grid)
     except KeyboardInterrupt:
         print(f"tune: aborted by a second {live.signals.reason}; the trials resume from their last "
               f"checkpoints when the same command runs again", flush=True)
     rows = write_report(search, search_dir, meta, errors)
-    return exit_code(rows, live)
+    rc = exit_code(rows, live)
+    tracked.finish_parent(parent, search_dir.uri, (report.TUNE_CSV, report.TUNE_MD, report.TUNE_PNG), rc)
+    return rc
 
 
 def quiet_tune() -> None:
@@ -138,16 +144,16 @@ def describe(search: Search, at_once: int, command: str) -> dict:
                 how=how, metric=o.metric, log_scale={d.name: d.kind == "loguniform" for d in search.space})
 
 
-def tuner_for(search: Search, at_once: int, callbacks: Sequence[Any], trial_callbacks: Sequence[Any]):
+def tuner_for(search: Search, at_once: int, callbacks: Sequence[Any], trial_callbacks: Sequence[Any],
+              parent_id: str = ""):
     """A new Tuner, or the search's own continued from its state in the search folder."""
     from ray import tune
 
     root = storage.at(search.base.storage_path)
     fs = storage.for_ray(root, search.base.retry_storage_s)
     search_dir = root.join(search.base.name)
-    env = tuple((k, v) for k, v in os.environ.items() if k.startswith("AWS_")) if not root.is_local else ()
     setup = TrialSetup(base=search.base.to_dict(), search_dir=search_dir.uri, callbacks=tuple(trial_callbacks),
-                       env=env)
+                       env=trial_env(root.is_local, search.base.mlflow), parent_id=parent_id)
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), TRIAL_RESOURCES)
     if tune.Tuner.can_restore(search_dir.path, storage_filesystem=fs):
         print(f"tune: continuing the search {search.base.name!r} from its saved state", flush=True)
@@ -166,6 +172,13 @@ def tuner_for(search: Search, at_once: int, callbacks: Sequence[Any], trial_call
             failure_config=tune.FailureConfig(max_failures=0),
             callbacks=[SearchProgress(o.metric, o.direction, search.base.epochs, o.num_samples),
                        *callbacks]))
+
+
+def trial_env(local: bool, mlflow: bool) -> tuple[tuple[str, str], ...]:
+    """The settings of the user's shell that a trial's actor needs and may not have: object
+    storage's (AWS_*) and the tracking server's credentials (MLFLOW_TRACKING_*)."""
+    wanted = (() if local else ("AWS_",)) + (tuple(CREDENTIAL_VARS) if mlflow else ())
+    return tuple((k, v) for k, v in os.environ.items() if k.startswith(wanted))
 
 
 def scheduler_for(search: Search, search_dir: str) -> Optional[Any]:

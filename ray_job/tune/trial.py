@@ -37,7 +37,7 @@ from .. import storage
 from ..config import TrainConfig
 from ..core.exits import ExitCode, is_stop
 from ..storage import StorageError
-from ..train import stop
+from ..train import stop, tracked
 from ..train.driver import fit_and_summarise, open_run_folder, run_lease, start_run
 from ..train.runfiles import CONFIG_JSON, METRICS_JSONL, SUMMARY_JSON
 from ..train.runlog import read_metrics
@@ -70,9 +70,11 @@ class TrialSetup:
     base: dict                 # the fixed train flags (TrainConfig.to_dict())
     search_dir: str            # <storage-path>/<search name>
     callbacks: tuple[Callable[[TrainConfig], Any], ...] = ()
-    # The driver's object-storage settings (AWS_*): the trial function writes its run's files as
-    # the train driver does, in an actor that may run where the user's shell did not set them.
+    # The driver's object-storage settings (AWS_*) and tracking credentials: the trial function
+    # writes its run's files and MLflow run as the train driver does, in an actor that may run
+    # where the user's shell did not set them.
     env: tuple[tuple[str, str], ...] = ()
+    parent_id: str = ""        # --mlflow: the search's MLflow run, each trial's run its child
 
 
 class EpochResults(TuneReportCallback):
@@ -124,7 +126,11 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
         open_run_folder(cfg)
         with stop.forward(setup.search_dir, cfg.run_dir()):
             cfg = start_run(cfg)
-            rc = fit_and_summarise(cfg, started, callbacks=callbacks_for(setup, cfg), signals=why)
+            tracking = tracked.start(cfg, setup.parent_id or None, "tune")
+            callbacks = [*callbacks_for(setup, cfg), *(tracking.callbacks() if tracking else ())]
+            rc = fit_and_summarise(cfg, started, callbacks=callbacks, signals=why)
+            if tracking is not None:
+                tracking.finish(rc, tags={"ray_job.early_stopped": str(is_stop(rc) and why.early).lower()})
     if is_stop(rc) and why.reason == SEARCH_STOPPED:
         park(cfg)
     if rc != ExitCode.DONE and not is_stop(rc):
