@@ -15,7 +15,8 @@
 #   sbatch slurm_ray_start.sh tune --space lr=loguniform:0.01:1 [...]   a hyperparameter search
 #   sbatch slurm_ray_start.sh scale sweep --workers 1,2     a scaling sweep
 #   sbatch slurm_ray_start.sh serve                         keep the cluster up for `ray job submit`
-# On a CPU-only cluster override the GPU default: sbatch --gpus-per-node=0 --cpus-per-task=4 ...
+# On a CPU-only cluster override the GPU default:
+#   sbatch --gpus-per-node=0 --cpus-per-task=4 slurm_ray_start.sh --num-workers 2 --epochs 30
 # docs/slurm.md: the flags this adds, preemption and requeue, lost nodes, the RJ_* knobs below.
 #
 # One Ray node per SLURM node. Python decides (ray_job.commands.slurm_plan: the driver's flags;

@@ -55,6 +55,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(mark)
         if not any(item.get_closest_marker(m) for m in HEAVY):
             item.add_marker("unit")
+        # Two test processes (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml) take whole
+        # groups: a module's tests stay together (its module fixtures run once), and every test on the
+        # SLURM test cluster is in one group, which goes first: it is the longest and mostly waits.
+        item.add_marker(pytest.mark.xdist_group(SLURM_GROUP if item.get_closest_marker("slurm")
+                                                else item.module.__name__))
+    items.sort(key=lambda item: not item.get_closest_marker("slurm"))  # stable: module order otherwise
+
+
+SLURM_GROUP = "slurm"
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -281,6 +281,8 @@ class SlurmCluster:
             (r / sub).mkdir(exist_ok=True)
         lines = [
             "ClusterName=raytest",
+            # job ids of their own: a job's node-local temp dir is /tmp/rj<job id> (slurm_ray_start.sh)
+            f"FirstJobId={1000 + int(self.netns['ctl'][2:8], 16) % 900000}",
             f"SlurmctldHost={self.hostname}"
             f"({'127.0.0.1' if self.network == 'loopback' else SUBNET + '.1'})",
             f"SlurmctldPort={free_tcp_port()}",

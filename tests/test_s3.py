@@ -196,7 +196,7 @@ def test_a_sweep_writes_its_points_and_report_to_s3(s3, monkeypatch, capsys):
              "train_images": 384, "test_images": 256}
     trained = []
 
-    def fake_training(point):
+    def fake_training(point, parent_id=None):
         trained.append(point.name)
         d = storage.at(point.run_dir())
         write_json(d.join("config.json"), point.to_dict())

@@ -17,8 +17,8 @@ import time
 import pytest
 from slurm_jobs import TINY, Job, assert_two_node_run, kill_job_processes
 
-# 1536 images / global batch 64 = 24 steps per epoch: a few seconds each, time to kill mid-epoch.
-CHAOS = [*TINY, "--synthetic-train-size", "1536", "--epochs", "3"]
+# 1024 images / global batch 64 = 16 steps per epoch: a few seconds each, time to kill mid-epoch.
+CHAOS = [*TINY, "--synthetic-train-size", "1024", "--epochs", "3"]
 
 
 def events(job: Job, name: str) -> list[dict]:
@@ -35,8 +35,17 @@ def report(case: str, **figures) -> None:
 
 
 def temp_entries() -> set[str]:
-    """Our temporary folders in /tmp (TensorBoard copies, checkpoints being written)."""
-    return {name for name in os.listdir("/tmp") if name.startswith(("rj_tb_", "rj_ckpt_"))}
+    """Our temporary folders in /tmp (TensorBoard copies, checkpoints being written) whose process
+    is gone: what a killed worker left (named <prefix><pid>_...; other tests' live ones are not)."""
+    from ray_job.train.runlog import CKPT_PREFIX, TB_PREFIX
+
+    found = set()
+    for name in os.listdir("/tmp"):
+        prefix = next((p for p in (TB_PREFIX, CKPT_PREFIX) if name.startswith(p)), None)
+        pid = name[len(prefix):].split("_", 1)[0] if prefix else ""
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            found.add(name)
+    return found
 
 
 def world_sizes(job: Job) -> list[int]:
@@ -55,7 +64,7 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
     before = temp_entries()
     args = ["train", *CHAOS, "--epochs", "14", "--min-workers", "1", "--grow-check-s", "10"]
     job = Job(slurm_cluster, tmp_path, args, env={"RJ_NODE_RESTART_S": "45"})
-    job.wait_for(lambda: "Epoch [2/14], Step [8/24]" in job.output, timeout=400, what="epoch 2 under way")
+    job.wait_for(lambda: "Epoch [2/14], Step [8/16]" in job.output, timeout=400, what="epoch 2 under way")
     killed = kill_job_processes(job, "node2")
     fault = time.time()
     assert killed, "no process of the job on node2"
@@ -112,7 +121,7 @@ def test_lost_node_fixed_size_gets_its_workers_back_and_when_it_cannot_requeues(
     job = Job(slurm_cluster, tmp_path, ["train", *CHAOS, "--epochs", "4", "--resource-wait-s", str(wait_s),
                                         "--checkpoint-every-min", "0.05"],
               env={"RJ_NODE_RESTARTS": "1", "RJ_NODE_RESTART_S": "5"})
-    job.wait_for(lambda: "Epoch [2/4], Step [8/24]" in job.output, timeout=400, what="epoch 2 under way")
+    job.wait_for(lambda: "Epoch [2/4], Step [8/16]" in job.output, timeout=400, what="epoch 2 under way")
     first = kill_job_processes(job, "node2")
     fault = time.time()
     assert first, "no process of the job on node2"
