@@ -5,7 +5,7 @@ Each test submits the real script with sbatch and checks what a user would: the 
 (resnet18, synthetic data, 2 workers of 2 CPUs: one per SLURM node). Needs root and the Debian
 packages slurmctld, slurmd, slurm-client and munge; skipped otherwise.
 
-    .venv/bin/python -m pytest -v -s tests/test_slurm.py      # -s prints the measured timings
+    .venv/bin/python -m pytest -n 0 -v -s tests/test_slurm.py      # -s prints the measured timings
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ on any node (counted by PID through their SLURM_JOB_ID). The runs are tiny CPU o
 synthetic data, one worker of 2 CPUs per node), with epochs long enough to kill one mid-way.
 Needs root and the SLURM packages (skipped otherwise).
 
-    .venv/bin/python -m pytest -v -s tests/test_slurm_chaos.py   # -s prints the measured timings
+    .venv/bin/python -m pytest -n 0 -v -s tests/test_slurm_chaos.py   # -s prints the measured timings
 """
 
 from __future__ import annotations
