@@ -119,7 +119,8 @@ FOREIGN_RAY_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RA
 
 def user_env(**extra: str) -> dict:
     """A user's shell: ray_job importable as if installed, no Ray cluster of the tests' in view."""
-    env = {k: v for k, v in os.environ.items() if k not in FOREIGN_RAY_ENV and not k.startswith("AWS_")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in FOREIGN_RAY_ENV and not k.startswith(("AWS_", "MLFLOW_"))}
     env["PYTHONPATH"] = ROOT
     env.update(extra)
     return env

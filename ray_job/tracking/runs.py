@@ -82,10 +82,14 @@ class TrackedRun:
 
         signature = ModelSignature(Schema([TensorSpec(np.dtype(np.float32), (-1, 3, image_size, image_size))]),
                                    Schema([TensorSpec(np.dtype(np.float32), (-1, classes))]))
-        mlflow.set_tracking_uri(self.settings.uri)
-        mlflow.set_registry_uri(self.settings.uri)
         quiet = logging.getLogger("mlflow.pytorch")  # its pickle warning: our own model, loaded by you
         level, quiet.level = quiet.level, logging.ERROR
+        # mlflow's fluent API takes the store from process-wide settings, which it also puts into
+        # this process's environment: both go back afterwards, so that nothing started later (a
+        # sweep's next point, a child process) inherits this run's store.
+        saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+        mlflow.set_tracking_uri(self.settings.uri)
+        mlflow.set_registry_uri(self.settings.uri)
         try:
             with mlflow.start_run(run_id=self.run_id):
                 info = mlflow.pytorch.log_model(module, name="model", signature=signature, pip_requirements=pip,
@@ -93,6 +97,13 @@ class TrackedRun:
                                                 registered_model_name=self.settings.register or None)
         finally:
             quiet.setLevel(level)
+            mlflow.set_tracking_uri(saved["MLFLOW_TRACKING_URI"] or "")
+            mlflow.set_registry_uri(saved["MLFLOW_REGISTRY_URI"] or "")
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         return info.model_uri
 
     def finish(self, status: str, **record: Any) -> None:
