@@ -157,6 +157,46 @@ def test_bad_storage_fails_in_seconds_with_one_line(s3, user_dir, case):
     assert elapsed < 60
 
 
+def test_a_run_folder_on_s3_in_use_is_refused_and_a_stale_lease_taken_over(s3, user_dir, monkeypatch, caplog):
+    """The lease on object storage: while a run (here this test's process) holds s3://.../held, the
+    same command is refused with one line naming the owner, exit 2, before Ray starts; a lease
+    whose heartbeat is older than the bound is taken over with a line; giving it back removes it."""
+    import logging
+
+    from ray_job.storage import at
+    from ray_job.storage.lease import STALE_S, Lease, Owner
+
+    for k, v in s3.env().items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    holder = Lease(at(s3.uri("lease/held")))
+    holder.take()
+    try:
+        started = time.monotonic()
+        proc = train(user_dir, user_env(s3), *TINY, "--storage-path", s3.uri("lease"), "--name", "held",
+                     timeout=120)
+        elapsed = time.monotonic() - started
+    finally:
+        holder.give_back()
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    line = one_error_line(proc.stderr)
+    assert "is in use by another run" in line and f"pid {os.getpid()}" in line, line
+    assert "worker group" not in proc.stderr
+    assert holder.current() is None and s3.keys("lease/held") == []  # the refused run wrote nothing
+    print(f"second start on S3 refused after {elapsed:.1f} s: {line}")
+
+    stale = Owner("gone", "elsewhere", 1, "", time.time() - 2 * STALE_S, time.time() - 2 * STALE_S)
+    at(s3.uri("lease/stale")).join(".lease.json").write_text(json.dumps(stale.__dict__))
+    lease = Lease(at(s3.uri("lease/stale")))
+    with caplog.at_level(logging.WARNING, logger="ray_job.lease"):
+        lease.take()
+    try:
+        assert "its last heartbeat was" in caplog.text and lease.current().id == lease.me.id
+    finally:
+        lease.give_back()
+    assert lease.current() is None
+
+
 def test_settings_from_a_profile_and_the_endpoint_variables(s3, tmp_path):
     """AWS_PROFILE with a credentials file (no key variables); AWS_ENDPOINT_URL as the fallback."""
     creds = tmp_path / "credentials"
