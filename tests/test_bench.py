@@ -53,3 +53,24 @@ def test_bench_data_path_smallest_size_reports_every_path_and_the_memory_rows(tm
     assert rows["prepared", 4, 1]["dataset_mib"] == pytest.approx(4 * rows["prepared", 1, 1]["dataset_mib"])
     assert all(len(r["anon_mib"]) == r["world"] and min(r["anon_mib"]) > 0 for r in rows.values())
     assert "prepared / in-memory:" in proc.stdout and "a 4x dataset changes RssAnon by" in proc.stdout
+
+
+@pytest.mark.timeout(600)
+def test_bench_checkpoints_smallest_size_compares_the_three_modes_and_leaves_nothing(tmp_path):
+    """From a user's folder with a relative --storage: the three modes, every checkpoint of sync and
+    async saved and (async) reported, the table printed, and the storage folder empty afterwards."""
+    proc = run_cli("bench", "checkpoints", "--model", "resnet18", "--stem", "cifar", "--batch-size", "8",
+                   "--steps", "6", "--warmup", "1", "--every", "3", "--repeats", "1", "--storage", "ckpts",
+                   "--out", "bench_checkpoints.json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_checkpoints.json").read_text())
+    runs = {r["mode"]: r for r in report["runs"]}
+    assert set(runs) == {"none", "sync", "async"} and {r["storage"] for r in runs.values()} == {"ckpts"}
+    assert runs["none"]["checkpoints"] == 0 and runs["none"]["vs_none"] == 1
+    for mode in ("sync", "async"):
+        r = runs[mode]
+        assert r["steps"] == 6 and r["checkpoints"] == 2 and r["checkpoint_mib"] > 10  # resnet18 + momentum
+        assert r["vs_none"] == pytest.approx(r["images_per_s"] / runs["none"]["images_per_s"])
+    assert runs["async"]["reports"] == 2 and runs["async"]["stall_vs_sync"] is not None
+    assert "stall ms" in proc.stdout and "async" in proc.stdout
+    assert list((tmp_path / "ckpts").iterdir()) == []

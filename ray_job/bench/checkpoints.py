@@ -7,7 +7,7 @@ step waits only for a snapshot in host memory; the checkpointer of `train`, ray_
 checkpointer.py, uploads it in the background and it is reported once complete). It prints steady
 images/s of each against the run without checkpoints, and the stall per checkpoint: the checkpoint
 step's time above the median step. A storage is a folder or s3://BUCKET/PREFIX (the AWS variables
-as for `train --storage-path`).
+as for `train --storage-path`); each run's folder there is removed once measured.
 
     python -m ray_job bench checkpoints --model resnet50 --steps 60 --every 10
     python -m ray_job bench checkpoints --storage ./results/bench_ckpt,s3://bucket/bench
@@ -110,6 +110,7 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
     steps.finish()
     files.close()
     saved = [e for e in storage.read_jsonl(store.join("events.jsonl")) if e["event"] == "checkpoint_saved"]
+    store.delete()  # each run's checkpoints (--steps / --every of them, model-sized) go with it
     with_ckpt = set(marks)
     plain = [t for i, t in enumerate(times) if i not in with_ckpt] or times
     median = statistics.median(plain)
