@@ -133,6 +133,29 @@ def test_every_private_ray_symbol_is_where_it_was(key):
     assert raypriv.get(key) is not None
 
 
+def test_the_local_dashboard_port_is_never_one_of_rays_own_defaults(monkeypatch):
+    """A kernel-chosen port once was 52365, where a local ray.init() puts the dashboard agent:
+    Ray refused to start ("trying to use a port number 52365 that is used by other components")."""
+    assert {6379, 8265, 52365} <= raypriv.default_ports()
+    picks = iter([52365, 8265, 40123])
+
+    class Socket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(picks)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(ports.socket, "socket", Socket)
+    assert ports.free_port(avoid=raypriv.default_ports()) == 40123
+
+
 def test_a_moved_private_symbol_is_named(monkeypatch):
     monkeypatch.setitem(raypriv.SYMBOLS, "gone", ("ray.train", "NoSuchThing"))
     with pytest.raises(raypriv.PrivateAPIMoved, match=r"has no ray.train.NoSuchThing \(gone"):

@@ -11,6 +11,7 @@ port the worker processes (so the client port stays clear of the worker range).
 from __future__ import annotations
 
 import socket
+from collections.abc import Collection
 
 SERVICE_OFFSETS = {
     "port": 0, "dashboard-port": 1, "ray-client-server-port": 2,          # the head only
@@ -72,8 +73,11 @@ def free_block(size: int, lo: int, hi: int, slot: int = 0) -> int:
     raise RuntimeError(f"no block of {size} free ports in {lo}-{hi}")
 
 
-def free_port() -> int:
-    """Any free port, chosen by the kernel."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(avoid: Collection[int] = ()) -> int:
+    """Any free port, chosen by the kernel, except those in `avoid`."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port

@@ -22,6 +22,8 @@ SYMBOLS = {
     "worker_group_startup_timeout": ("ray.train.v2._internal.exceptions", "WorkerGroupStartupTimeoutError"),
     # the module whose logger prints every report's metrics dict from every rank (quieted)
     "train_context_module": ("ray.train.v2._internal.execution.context", None),
+    # the ports a local ray.init() gives its components unless told otherwise (ours must differ)
+    "ray_constants": ("ray._private.ray_constants", None),
     # tests only: Ray's own validation of cluster.yaml, as `ray up` runs it
     "cluster_config_prepare": ("ray.autoscaler._private.util", "prepare_config"),
     "cluster_config_validate": ("ray.autoscaler._private.util", "validate_config"),
@@ -69,3 +71,11 @@ def is_worker_group_startup_timeout(error: BaseException) -> bool:
 def train_context_logger_name() -> str:
     """Ray names that module's logger by its file path."""
     return get("train_context_module").__file__
+
+
+def default_ports() -> set[int]:
+    """The fixed ports of a local `ray.init()`: the GCS, the dashboard, the dashboard agent's HTTP
+    (52365 in Ray 2.60). A dashboard port we choose must not be one of them: Ray refuses to start
+    when two of its components would share a port."""
+    c = get("ray_constants")
+    return {c.DEFAULT_PORT, c.DEFAULT_DASHBOARD_PORT, c.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT}

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from .. import storage
-from ..cluster import rayenv
+from ..cluster import raypriv, rayenv
 from ..cluster.ports import free_port
 from ..config import TrainConfig, choose_use_gpu
 from ..core.errors import UsageError
@@ -40,7 +40,7 @@ def connect(cfg: TrainConfig) -> None:
         rayenv.apply_defaults()  # as every cluster of ours: no usage stats, no drain, no watcher noise
         # Ray Train's placement-group cleaner asks the state API; with other clusters on this
         # machine it cannot tell which one is ours unless told (the workers inherit this env).
-        port = free_port()
+        port = free_port(avoid=raypriv.default_ports())  # a kernel's pick once was 52365, the agent's
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         ray.init(address="local", dashboard_port=port, runtime_env=runtime_env)
 
