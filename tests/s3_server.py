@@ -67,11 +67,15 @@ class S3Server:
     def log_path(self) -> str:
         return os.path.join(self.root, "weed.log")
 
+    def aws_vars(self) -> dict:
+        """The AWS variables a user of this server sets, alone."""
+        return dict(AWS_ACCESS_KEY_ID=self.key_id, AWS_SECRET_ACCESS_KEY=self.secret,
+                    AWS_ENDPOINT_URL_S3=self.endpoint, AWS_REGION=REGION)
+
     def env(self, **overrides: str) -> dict:
         """The AWS variables a user of this server sets (added to a copy of os.environ)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        env.update(AWS_ACCESS_KEY_ID=self.key_id, AWS_SECRET_ACCESS_KEY=self.secret,
-                   AWS_ENDPOINT_URL_S3=self.endpoint, AWS_REGION=REGION)
+        env.update(self.aws_vars())
         env.update(overrides)
         return env
 

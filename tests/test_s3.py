@@ -166,9 +166,8 @@ def test_a_run_folder_on_s3_in_use_is_refused_and_a_stale_lease_taken_over(s3, u
     from ray_job.storage import at
     from ray_job.storage.lease import STALE_S, Lease, Owner
 
-    for k, v in s3.env().items():
-        if k.startswith("AWS_"):
-            monkeypatch.setenv(k, v)
+    for k, v in s3.aws_vars().items():
+        monkeypatch.setenv(k, v)
     holder = Lease(at(s3.uri("lease/held")))
     holder.take()
     try:
@@ -228,9 +227,8 @@ def test_a_sweep_writes_its_points_and_report_to_s3(s3, monkeypatch, capsys):
     from ray_job.storage import write_json
     from ray_job.train.metrics import EpochMetrics
 
-    for k, v in s3.env().items():
-        if k.startswith("AWS_"):
-            monkeypatch.setenv(k, v)
+    for k, v in s3.aws_vars().items():
+        monkeypatch.setenv(k, v)
     fields = {f: 1.0 for f in EpochMetrics.__dataclass_fields__}
     final = {**fields, "epoch": 1, "epochs": 1, "steps": 6, "world_size": 1, "grad_bytes": 1000,
              "train_images": 384, "test_images": 256}
@@ -393,7 +391,7 @@ def test_full_local_disk_fails_the_checkpoint_and_the_previous_one_stays(user_di
 def s3_head(s3_server_session):
     """A `ray start --head` cluster started with the AWS variables in its environment, as
     cluster.yaml does: jobs and their workers inherit them, the job's command line has none."""
-    with head_running({k: v for k, v in s3_server_session.env().items() if k.startswith("AWS_")}) as head:
+    with head_running(s3_server_session.aws_vars()) as head:
         yield head
 
 

@@ -250,7 +250,7 @@ def test_a_search_on_object_storage(ray_cluster, s3, tmp_path):
     """--storage-path s3://...: Tune's state, the trials' run folders and the report all in the
     bucket (the head's processes have no AWS variables: the trials get the driver's); the same
     command again continues the search from the bucket and runs nothing."""
-    env = {**ray_cluster.user_env(), **{k: v for k, v in s3.env().items() if k.startswith("AWS_")}}
+    env = {**ray_cluster.user_env(), **s3.aws_vars()}
     args = [*TINY, "--num-workers", "1", "--epochs", "1", "--space", "lr=choice:0.05,0.1", "--num-samples", "1",
             "--scheduler", "none", "--storage-path", s3.uri("searches"), "--name", "s"]
     out = run_cli("tune", *args, cwd=tmp_path, env=env)
