@@ -28,14 +28,14 @@ set -euo pipefail
 # The RJ_* knobs and their defaults (docs/slurm.md says what each does):
 : "${RJ_PYTHON:=python}" "${RJ_CLUSTER_TIMEOUT:=300}" "${RJ_PREEMPT_GRACE:=240}" "${RJ_STOP_TIMEOUT:=30}"
 : "${RJ_PORT_BASE:=20000}" "${RJ_PORT_MAX:=32767}" "${RJ_TMP_ROOT:=/tmp}" "${RJ_HEAD_IP:=}" "${RJ_DASHBOARD:=1}"
-: "${RJ_START_ARGS:=}" "${RJ_WORKER_START_ARGS:=}" "${RJ_NODE_RESTARTS:=3}" "${RJ_NODE_RESTART_S:=10}"
+: "${RJ_START_ARGS:=}" "${RJ_WORKER_START_ARGS:=}"
 
 JOB_ID="" RESTART_COUNT=0 LOG_DIR="" CPUS_PER_NODE=1 GPUS_PER_NODE=0 MODE=train
 STORAGE_PATH="" RUN_NAME="" WANT_GPU=0  # set by plan_job from ray_job.commands.slurm_plan
 DRIVER_ARGS=()        # `python -m ray_job $MODE` flags (the head: RAY_ADDRESS, exported below)
 NODES=() NODE_IPS=()  # SLURM node names and their addresses; index 0 hosts the head
 NODE_PIDS=()          # PIDs of the `srun ... ray start --block` steps, same order
-NODE_RESTARTS=() NODE_RETRY_AT=()  # restarts of each node's Ray so far, and when the next may be
+NODE_RESTARTS=() NODE_RETRY_AT=()  # restarts of each node's Ray so far; when the next is due (0: none due, -1: never)
 DRIVER_PID="" PREEMPT_REQUESTED=0 PREEMPT_DEADLINE=0
 JOB_TMP="" TOKEN_FILE="" GCS_ADDRESS="" DASHBOARD_PORT="" ACCESS_FILES=()
 
@@ -94,9 +94,12 @@ start_node() {
   args+=("${extra[@]}")
   log "starting Ray on $node (${NODE_IPS[i]}): ${args[*]}"
   # --export=ALL: the step needs this environment (PATH, RJ_*, RAY_*) even under sbatch --export=NONE.
+  # A start after a restart gets its own temp dir and ports: not the lost node's (ports.slot).
   RJ_TOKEN=$(<"$TOKEN_FILE") srun --nodes=1 --ntasks=1 --overlap -w "$node" --job-name="ray-$node" \
-    --export=ALL "${gpus[@]}" "$RJ_PYTHON" -m ray_job.cluster step --tmp "$JOB_TMP/n$i" --block "$block" \
-    --job-id "$JOB_ID" --node-index "$i" --range "$RJ_PORT_BASE" "$RJ_PORT_MAX" "${head[@]}" -- "${args[@]}" \
+    --export=ALL "${gpus[@]}" "$RJ_PYTHON" -m ray_job.cluster step --tmp "$JOB_TMP/n$i.${NODE_RESTARTS[i]}" \
+    --block "$block" --job-id "$JOB_ID" --node-index "$i" --restarts "${NODE_RESTARTS[i]}" \
+    --keep-logs "$LOG_DIR/$node.${NODE_RESTARTS[i]}" \
+    --range "$RJ_PORT_BASE" "$RJ_PORT_MAX" "${head[@]}" -- "${args[@]}" \
     >>"$LOG_DIR/$node.log" 2>&1 &
   NODE_PIDS[i]=$!
 }
@@ -150,22 +153,23 @@ start_cluster() {
 }
 
 # A worker node's Ray that ended while the job goes on (OOM killer, a crashed raylet) is started
-# again on the same node, up to RJ_NODE_RESTARTS times, RJ_NODE_RESTART_S after the end and then
-# twice as long each time; Ray Train gives the run its workers back (elastic: at its next resize check).
+# again on the same node when Python says (ray_job/cluster/slurm.py: RJ_NODE_RESTARTS,
+# RJ_NODE_RESTART_S); Ray Train gives the run its workers back (elastic: at its next resize check).
 supervise_nodes() {
-  local i
+  local i delay why
   for ((i = 1; i < ${#NODES[@]}; i++)); do
     kill -0 "${NODE_PIDS[i]}" 2>/dev/null && continue
     if ((NODE_RETRY_AT[i] == 0)); then
       wait "${NODE_PIDS[i]}" 2>/dev/null || true
-      NODE_RETRY_AT[i]=$((SECONDS + (RJ_NODE_RESTART_S << NODE_RESTARTS[i])))
       log "Ray on ${NODES[i]} ended while the job runs; last lines of $LOG_DIR/${NODES[i]}.log:"
       tail -n 15 "$LOG_DIR/${NODES[i]}.log" >&2 || true
-      ((NODE_RESTARTS[i] < RJ_NODE_RESTARTS)) || log "not starting Ray on ${NODES[i]} again: it was restarted $RJ_NODE_RESTARTS times (RJ_NODE_RESTARTS)"
+      read -r delay why < <(cluster node-restart "${NODES[i]}" "${NODE_RESTARTS[i]}")
+      log "$why"
+      NODE_RETRY_AT[i]=$((delay < 0 ? -1 : SECONDS + delay))
     fi
-    if ((NODE_RESTARTS[i] < RJ_NODE_RESTARTS && SECONDS >= NODE_RETRY_AT[i])); then
+    if ((NODE_RETRY_AT[i] > 0 && SECONDS >= NODE_RETRY_AT[i])); then
       NODE_RESTARTS[i]=$((NODE_RESTARTS[i] + 1)) NODE_RETRY_AT[i]=0
-      log "starting Ray on ${NODES[i]} again (restart ${NODE_RESTARTS[i]} of $RJ_NODE_RESTARTS)"
+      log "starting Ray on ${NODES[i]} again"
       start_worker "$i"
     fi
   done
@@ -207,9 +211,6 @@ run_driver() {
   wait "$DRIVER_PID" || rc=$?
   DRIVER_PID=""
   log "driver exited with status $rc"
-  if ((rc > 128 && !PREEMPT_REQUESTED)); then
-    log "ERROR: the driver was killed by signal $((rc - 128)) ($(kill -l $((rc - 128)) 2>/dev/null || echo '?')), e.g. by the OOM killer; the run's checkpoints are kept: resubmit with RJ_RUN_NAME=$RUN_NAME to continue from the latest"
-  fi
   return "$rc"
 }
 
@@ -226,9 +227,9 @@ serve() {  # until the allocation ends (scancel) or USR1; clients use $LOG_DIR/c
 # requeue (exit with the status it gives if Slurm refuses: sbatch --no-requeue, site policy), or exit.
 act_on_exit() {
   local action status why
-  read -r action status why < <(cluster exit-action "$1" "$PREEMPT_REQUESTED")
-  [[ $action == requeue ]] || return 0
+  read -r action status why < <(cluster exit-action "$1" "$PREEMPT_REQUESTED" --run-name "$RUN_NAME")
   [[ -z $why ]] || log "$why"
+  [[ $action == requeue ]] || return 0
   log "requeueing job $JOB_ID (this was run $((RESTART_COUNT + 1))); the next run resumes from the latest checkpoint"
   stop_everything
   scontrol requeue "$JOB_ID" || die "$status" "scontrol requeue $JOB_ID failed; resubmit the same command with --name $RUN_NAME to resume"

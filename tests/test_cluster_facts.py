@@ -55,6 +55,13 @@ def test_head_block_is_free_and_its_ports_follow_the_layout():
     assert full.returncode == ExitCode.CLUSTER_DOWN and full.stderr.startswith("error: ")
 
 
+def test_a_node_started_again_looks_for_ports_past_its_old_block():
+    lo = 40000 + os.getpid() % 5000
+    first = ports.free_block(200, lo, lo + 999, slot=ports.slot(12, 1))
+    again = ports.free_block(200, lo, lo + 999, slot=ports.slot(12, 1, restarts=1))
+    assert first != again  # both free: the lost node's block is free again once its processes died
+
+
 def test_env_prints_only_the_defaults_not_already_set():
     out = cluster_cli("env", env={"RAY_USAGE_STATS_ENABLED": "1"})
     assert "RAY_USAGE_STATS_ENABLED" not in out.stdout
@@ -72,17 +79,28 @@ def test_token_is_private_and_never_overwritten(tmp_path):
 @pytest.mark.parametrize("rc, stop, expected", [
     (0, False, "exit 0"), (1, False, "exit 1"), (2, True, "exit 2"), (0, True, "exit 0"),
     (3, True, "requeue 3"), (1, True, "requeue 3"), (130, True, "requeue 3"),
-    (5, False, "requeue 5"), (None, True, "requeue 3"),
+    (5, False, "requeue 5"), (None, True, "requeue 3"), (137, False, "exit 137"), (130, False, "exit 130"),
 ])
 def test_what_each_exit_status_means_to_slurm(rc, stop, expected):
-    action, status, why = slurm_action(rc, stop)
-    assert f"{action} {status}" == expected and (why != "") == (action == "requeue")
+    action, status, why = slurm_action(rc, stop, "r1")
+    killed = rc == 137  # SIGKILL, e.g. the OOM killer; 130 and 143 are the driver's own stops
+    assert f"{action} {status}" == expected and (why != "") == (action == "requeue" or killed)
 
 
 def test_exit_action_command():
     assert cluster_cli("exit-action", "5", "0").stdout.startswith("requeue 5 the cluster lost the resources")
+    killed = cluster_cli("exit-action", "137", "0", "--run-name", "slurm-7").stdout
+    assert killed.startswith("exit 137 ERROR: the driver was killed by signal 9 (KILL)")
+    assert "resubmit with RJ_RUN_NAME=slurm-7 to continue" in killed
+    unknown = cluster_cli("exit-action", "200", "0").stdout
+    assert unknown.startswith("exit 200 ERROR: the driver was killed by signal 72 (?)")
     assert cluster_cli("exit-action", "none", "1").stdout.split()[:2] == ["requeue", "3"]
     assert cluster_cli("exit-action", "0", "0").stdout.split() == ["exit", "0"]
+
+
+def test_node_restart_command():
+    out = cluster_cli("node-restart", "n2", "1", env={"RJ_NODE_RESTART_S": "5", "RJ_NODE_RESTARTS": "2"})
+    assert out.stdout == "10 starting Ray on n2 again in 10 s (restart 2 of 2)\n"
 
 
 def test_node_addresses_refuse_a_mix_of_loopback_and_routable(monkeypatch):

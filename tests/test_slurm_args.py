@@ -66,6 +66,16 @@ def test_defaults_come_from_the_job_and_the_rj_knobs_override_them():
             alloc.log_dir) == (3, 1, "/shared/r", "mine", "/shared/logs")
 
 
+def test_a_lost_nodes_ray_is_started_again_later_each_time_until_none_is_left():
+    restarts = Allocation.from_env({**CPU_JOB, "RJ_NODE_RESTART_S": "45"}).node_restarts
+    assert [restarts.next("n2", done)[0] for done in range(4)] == [45, 90, 180, -1]
+    assert restarts.next("n2", 0)[1] == "starting Ray on n2 again in 45 s (restart 1 of 3)"
+    assert restarts.next("n2", 3)[1] == "not starting Ray on n2 again: it was restarted 3 times (RJ_NODE_RESTARTS)"
+    assert Allocation.from_env({**CPU_JOB, "RJ_NODE_RESTARTS": "0"}).node_restarts.next("n2", 0)[0] == -1
+    with pytest.raises(UsageError, match="RJ_NODE_RESTARTS='two' as a count: give a whole number"):
+        Allocation.from_env({**CPU_JOB, "RJ_NODE_RESTARTS": "two"})
+
+
 def test_outside_slurm_it_says_how_to_submit():
     with pytest.raises(UsageError, match="HINT: submit with 'sbatch slurm_ray_start.sh"):
         Allocation.from_env({})

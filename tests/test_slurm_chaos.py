@@ -74,7 +74,9 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
     shrunk = job.wait_for(lambda: resized((2, 1)), timeout=300, what="the run to go on with one worker")
     assert shrunk[0]["global_batch"] == 64  # --batch-mode global: the same global batch
     assert "world size changed 2 -> 1; --batch-mode global: global batch 64 -> 64" in job.output
-    job.wait_for(lambda: "starting Ray on node2 again (restart 1 of 3)" in job.output, timeout=200,
+    job.wait_for(lambda: "starting Ray on node2 again in 45 s (restart 1 of 3)" in job.output, timeout=60,
+                 what="the script to say when it starts node2's Ray again")
+    job.wait_for(lambda: "starting Ray on node2 again\n" in job.output, timeout=200,
                  what="the script to start node2's Ray again")
     grown = job.wait_for(lambda: resized((1, 2)), timeout=300, what="the run to grow back to two workers")
     job.wait_for(lambda: any(e["time"] > grown[0]["time"] for e in events(job, "checkpoint_saved")),
@@ -125,11 +127,11 @@ def test_lost_node_fixed_size_gets_its_workers_back_and_when_it_cannot_requeues(
     first = kill_job_processes(job, "node2")
     fault = time.time()
     assert first, "no process of the job on node2"
-    job.wait_for(lambda: "starting Ray on node2 again (restart 1 of 1)" in job.output, timeout=120,
+    job.wait_for(lambda: "starting Ray on node2 again in 5 s (restart 1 of 1)" in job.output, timeout=120,
                  what="the script to start node2's Ray again")
     back = job.wait_for(lambda: [e for e in events(job, "resumed") if e["time"] > fault], timeout=wait_s + 120,
                         what="training again after the restart")
-    assert "--resource-wait-s" not in job.output.split("again (restart 1 of 1)")[-1]  # no giving up
+    assert "--resource-wait-s" not in job.output.split("(restart 1 of 1)")[-1]  # no giving up
     report("fixed size, node2 killed and started again", fault_to_training_again=back[0]["time"] - fault)
 
     def timed_after_restart():

@@ -9,10 +9,14 @@
     wait HOST:PORT --nodes N.. --gpus G --timeout S --log-dir D [--step NODE=PID ...]
                                                 until those nodes are up (exit 4 and why, if not)
     head-block --job-id J --range LO HI          "BASE GCS_PORT DASHBOARD_PORT" of a free block for the head
-    exit-action RC|none STOP_REQUESTED          "requeue STATUS_IF_REFUSED WHY" or "exit RC" (core/exits.py)
+    exit-action RC|none STOP_REQUESTED [--run-name R]
+                                                "requeue STATUS_IF_REFUSED WHY" or "exit RC [WHY]" (core/exits.py)
+    node-restart NODE RESTARTS                  "SECONDS WHY": when to start NODE's Ray again after RESTARTS
+                                                restarts (-1: never); RJ_NODE_RESTARTS, RJ_NODE_RESTART_S (slurm.py)
     access --log-dir D --token T --head-ip IP --dashboard-port P --gcs HOST:PORT
                                                 the clients' files (a token copy, cluster.env), one path a line
-    step --tmp D --block B|probe --job-id J --node-index I --range LO HI [--head] -- RAY_START_ARGS...
+    step --tmp D --block B|probe --job-id J --node-index I [--restarts N] [--keep-logs D] --range LO HI [--head]
+         -- RAY_START_ARGS...
                                                 a SLURM step's Ray node (node.py)
     start --state-dir D --temp-dir T --base B [--head-ip IP] [-- RAY_START_ARGS...]
                                                 a cluster.yaml node, detached (node.py)
@@ -21,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..core.exits import ExitCode, slurm_action
@@ -55,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("exit-action")
     c.add_argument("rc")
     c.add_argument("stop_requested", type=int)
+    c.add_argument("--run-name", default="")
+    c = sub.add_parser("node-restart")
+    c.add_argument("node")
+    c.add_argument("restarts", type=int)
     c = sub.add_parser("access")
     c.add_argument("--log-dir", required=True)
     c.add_argument("--token", required=True)
@@ -66,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--block", required=True)
     c.add_argument("--job-id", type=int, default=0)
     c.add_argument("--node-index", type=int, default=0)
+    c.add_argument("--restarts", type=int, default=0, help="how often this node's Ray was started again")
+    c.add_argument("--keep-logs", default="", help="where a copy of Ray's logs goes if the node ends by itself")
     c.add_argument("--range", type=int, nargs=2, required=True)
     c.add_argument("--size", type=int, default=200)
     c.add_argument("--head", action="store_true")
@@ -79,10 +90,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def slot_of(job_id: int, node_index: int) -> int:
-    from .ports import slot
-
-    return slot(job_id, node_index)
 
 
 def _rest(args: list[str]) -> list[str]:
@@ -96,7 +103,6 @@ def main(argv: list[str]) -> int:
 
         print("\n".join(ray_start_flags(ns.base, ns.head, ns.size)))
     elif ns.command == "env":
-        import os
         import shlex
 
         from .rayenv import defaults
@@ -131,17 +137,23 @@ def main(argv: list[str]) -> int:
             return ExitCode.CLUSTER_DOWN
         print(base, gcs_port(base), dashboard_port(base))
     elif ns.command == "exit-action":
-        action, rc, why = slurm_action(None if ns.rc == "none" else int(ns.rc), bool(ns.stop_requested))
+        action, rc, why = slurm_action(None if ns.rc == "none" else int(ns.rc), bool(ns.stop_requested),
+                                       ns.run_name)
         print(action, rc, why)
+    elif ns.command == "node-restart":
+        from .slurm import NodeRestarts
+
+        print(*NodeRestarts.from_env(os.environ).next(ns.node, ns.restarts))
     elif ns.command == "access":
         from .rayenv import write_access_files
 
         print("\n".join(write_access_files(ns.log_dir, ns.token, ns.head_ip, ns.dashboard_port, ns.gcs)))
     elif ns.command == "step":
         from .node import run_step
+        from .ports import slot
 
         return run_step(ns.tmp, ns.block, ns.head, _rest(ns.args), tuple(ns.range), ns.size,
-                        slot=slot_of(ns.job_id, ns.node_index))
+                        slot=slot(ns.job_id, ns.node_index, ns.restarts), keep_logs=ns.keep_logs)
     elif ns.command == "start":
         from .node import start_detached
 

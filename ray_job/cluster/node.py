@@ -29,8 +29,9 @@ def ray_cli() -> str:
 
 
 def run_step(tmp: str, block: str, head: bool, args: list[str], port_range: tuple[int, int],
-             block_size: int, slot: int = 0) -> int:
-    """Runs a SLURM step's Ray node until it ends or is sent SIGTERM/SIGINT; its exit status."""
+             block_size: int, slot: int = 0, keep_logs: str = "") -> int:
+    """Runs a SLURM step's Ray node until it ends or is sent SIGTERM/SIGINT; its exit status. A
+    node that ends by itself leaves a copy of its Ray logs in `keep_logs` (if given)."""
     os.umask(0o077)
     os.makedirs(tmp, exist_ok=True)
     token = os.path.join(tmp, "token")
@@ -50,6 +51,12 @@ def run_step(tmp: str, block: str, head: bool, args: list[str], port_range: tupl
     signal.signal(signal.SIGINT, stop)
     try:
         rc = proc.wait()
+        if keep_logs and not stopping:
+            try:
+                shutil.copytree(os.path.join(tmp, "session_latest", "logs"), keep_logs, dirs_exist_ok=True)
+                print(f"Ray's logs of this node: {keep_logs}", file=sys.stderr)
+            except OSError as e:
+                print(f"could not keep Ray's logs of this node: {e}", file=sys.stderr)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.listdir(os.path.dirname(tmp) or "."):

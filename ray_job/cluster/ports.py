@@ -41,10 +41,12 @@ def dashboard_port(base: int) -> int:
     return base + SERVICE_OFFSETS["dashboard-port"]
 
 
-def slot(job_id: int, node_index: int) -> int:
+def slot(job_id: int, node_index: int, restarts: int = 0) -> int:
     """Where a job's node starts looking for a free block: concurrent jobs (and the nodes of one
-    job on a shared machine) look at different blocks first."""
-    return job_id * 4 + node_index
+    job on a shared machine) look at different blocks first, and a node's Ray started again after
+    it was lost looks past its old block (a raylet on the lost one's ports was marked dead by the
+    head ~20 s after it joined, on a loaded machine)."""
+    return job_id * 4 + node_index + restarts
 
 
 def is_free(port: int) -> bool:

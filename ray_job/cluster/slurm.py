@@ -14,6 +14,28 @@ from ..core.errors import UsageError
 
 
 @dataclass(frozen=True)
+class NodeRestarts:
+    """A worker node's Ray that ended while the job goes on (OOM killer, a crashed raylet) is
+    started again on the same node, up to RJ_NODE_RESTARTS times, RJ_NODE_RESTART_S after the end
+    and twice as long each time (slurm_ray_start.sh asks `python -m ray_job.cluster node-restart`)."""
+
+    limit: int = 3
+    first_s: int = 10
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> NodeRestarts:
+        return cls(_count(env, "RJ_NODE_RESTARTS", str(cls.limit)), _count(env, "RJ_NODE_RESTART_S", str(cls.first_s)))
+
+    def next(self, node: str, restarts: int) -> tuple[int, str]:
+        """After `restarts` restarts of `node`'s Ray: (seconds until the next, what to log), the
+        seconds -1 when there is none left."""
+        if restarts >= self.limit:
+            return -1, f"not starting Ray on {node} again: it was restarted {restarts} times (RJ_NODE_RESTARTS)"
+        delay = self.first_s << restarts
+        return delay, f"starting Ray on {node} again in {delay} s (restart {restarts + 1} of {self.limit})"
+
+
+@dataclass(frozen=True)
 class Allocation:
     """What SLURM gave this job, and the job's defaults for where the run goes."""
 
@@ -26,6 +48,7 @@ class Allocation:
     storage_path: str  # default --storage-path: on the shared file system, beside the submit dir
     run_name: str      # default --name: from the job id, so a requeued job resumes the same run
     log_dir: str       # each node's `ray start` output, the token copy and cluster.env
+    node_restarts: NodeRestarts
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Allocation:
@@ -43,6 +66,7 @@ class Allocation:
             storage_path=env.get("RJ_STORAGE_PATH") or os.path.join(submit_dir, "ray_results"),
             run_name=env.get("RJ_RUN_NAME") or f"slurm-{job_id}",
             log_dir=env.get("RJ_LOG_DIR") or os.path.join(submit_dir, "ray-logs", job_id),
+            node_restarts=NodeRestarts.from_env(env),
         )
 
 
@@ -58,7 +82,7 @@ def job_facts(env: Mapping[str, str]) -> dict:
 def _count(env: Mapping[str, str], name: str, default: str) -> int:
     text = env.get(name) or default
     if not text.isdigit():
-        raise UsageError(f"cannot read {name}={text!r} from SLURM as a count")
+        raise UsageError(f"cannot read {name}={text!r} as a count: give a whole number")
     return int(text)
 
 

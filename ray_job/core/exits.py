@@ -5,6 +5,7 @@ list."""
 from __future__ import annotations
 
 import enum
+import signal
 from typing import Optional
 
 
@@ -36,15 +37,29 @@ def is_stop(rc: int) -> bool:
     return rc in (ExitCode.STOPPED, ExitCode.INTERRUPTED, ExitCode.TERMINATED)
 
 
-def slurm_action(rc: Optional[int], stop_requested: bool) -> tuple[str, int, str]:
+def slurm_action(rc: Optional[int], stop_requested: bool, run_name: str = "") -> tuple[str, int, str]:
     """What slurm_ray_start.sh does when the driver exits with `rc` (None: the job was asked to
     stop before the driver started): ("requeue", the status to exit with if Slurm refuses the
     requeue, why) -- the job comes back and resumes from its latest checkpoint -- or ("exit", rc,
-    ""). After a stop request (USR1: preemption, the time limit) every status but done and bad
-    input requeues; a lost node (NO_RESOURCES) requeues so that Slurm gives the job healthy nodes."""
+    why, "" if the driver said it already). After a stop request (USR1: preemption, the time limit)
+    every status but done and bad input requeues; a lost node (NO_RESOURCES) requeues so that
+    Slurm gives the job healthy nodes; a driver killed by a signal (the OOM killer) fails the job
+    with the way to continue."""
     if stop_requested and rc not in (ExitCode.DONE, ExitCode.BAD_INPUT):
         return "requeue", int(ExitCode.STOPPED), "stopped for the time limit or a preemption"
     if rc == ExitCode.NO_RESOURCES:
         return ("requeue", int(ExitCode.NO_RESOURCES),
                 "the cluster lost the resources for the workers; requeueing, so that Slurm gives the job healthy nodes")
+    if rc is not None and rc > 128 and not is_stop(rc):
+        return "exit", rc, (f"ERROR: the driver was killed by signal {rc - 128} ({signal_name(rc - 128)}), e.g. by "
+                            f"the OOM killer; the run's checkpoints are kept: resubmit with RJ_RUN_NAME={run_name} "
+                            "to continue from the latest")
     return "exit", int(rc or 0), ""
+
+
+def signal_name(number: int) -> str:
+    """'KILL' for 9, as `kill -l 9` says it; '?' for a number that is no signal."""
+    try:
+        return signal.Signals(number).name.removeprefix("SIG")
+    except ValueError:
+        return "?"
