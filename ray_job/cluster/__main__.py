@@ -90,8 +90,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-
-
 def _rest(args: list[str]) -> list[str]:
     return args[1:] if args[:1] == ["--"] else args
 
