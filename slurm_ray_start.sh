@@ -20,12 +20,13 @@
 # docs/slurm.md: the flags this adds, preemption and requeue, lost nodes, the RJ_* knobs below.
 #
 # One Ray node per SLURM node. Python decides (ray_job.commands.slurm_plan: the driver's flags;
-# ray_job.cluster: node addresses, ports, Ray's environment, the token, readiness, what an exit
-# status means); this script supervises: srun steps, traps, restarts of a node's Ray, teardown by
-# PID, requeue.
+# ray_job.cluster: node addresses, ports, Ray's environment, the token, readiness, when a lost
+# node's Ray starts again, what an exit status means); this script supervises: srun steps, traps,
+# teardown by PID, requeue.
 set -euo pipefail
 
-# The RJ_* knobs and their defaults (docs/slurm.md says what each does):
+# The RJ_* knobs and their defaults (docs/slurm.md says what each does; RJ_NODE_RESTARTS and
+# RJ_NODE_RESTART_S are read by ray_job/cluster/slurm.py):
 : "${RJ_PYTHON:=python}" "${RJ_CLUSTER_TIMEOUT:=300}" "${RJ_PREEMPT_GRACE:=240}" "${RJ_STOP_TIMEOUT:=30}"
 : "${RJ_PORT_BASE:=20000}" "${RJ_PORT_MAX:=32767}" "${RJ_TMP_ROOT:=/tmp}" "${RJ_HEAD_IP:=}" "${RJ_DASHBOARD:=1}"
 : "${RJ_START_ARGS:=}" "${RJ_WORKER_START_ARGS:=}"
