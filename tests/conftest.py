@@ -48,6 +48,7 @@ FIXTURE_MARKS = {"ray_cluster": "ray", "ray_joined": "ray", "trained_run": "ray"
                  "s3": "s3", "s3_server_session": "s3", "mlflow_server": "mlflow"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which turns the group marks into groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for fixture, mark in FIXTURE_MARKS.items():
@@ -57,10 +58,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("unit")
         # Two test processes (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml) take whole
         # groups: a module's tests stay together (its module fixtures run once), and every test on the
-        # SLURM test cluster is in one group, which goes first: it is the longest and mostly waits.
+        # SLURM test cluster is in one group.
         item.add_marker(pytest.mark.xdist_group(SLURM_GROUP if item.get_closest_marker("slurm")
                                                 else item.module.__name__))
-    items.sort(key=lambda item: not item.get_closest_marker("slurm"))  # stable: module order otherwise
+    # The groups go out in this order: the SLURM one first (the longest, and it mostly waits), then
+    # the modules with real systems, then the unit-only ones, which are short and even out the end.
+    heavy = {item.module.__name__ for item in items if not item.get_closest_marker("unit")}
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slurm") else 1 if item.module.__name__ in heavy
+               else 2)  # stable: module order otherwise
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """`--dist loadgroup`: every test's id carries its group, or xdist would spread the modules
+    over both processes (each starting its own servers and runs)."""
+    if node.config.getoption("dist") == "loadgroup" and (lost := [i for i in ids if "@" not in i]):
+        pytest.exit(f"pytest-xdist did not group {lost[0]} (and {len(lost) - 1} more): these versions of "
+                    f"pytest and pytest-xdist do not work together; install requirements-dev.txt", returncode=4)
 
 
 SLURM_GROUP = "slurm"

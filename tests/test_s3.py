@@ -42,6 +42,11 @@ def user_env(server, **overrides: str) -> dict:
     return env
 
 
+def joined(head, server) -> dict:
+    """The same, in a shell whose runs join the session's Ray head (tests not about start-up)."""
+    return head.user_env(**server.aws_vars())
+
+
 def jsonl(server, key: str) -> list[dict]:
     return [strict(line) for line in server.read(key).decode().splitlines() if line.strip()]
 
@@ -268,16 +273,17 @@ def test_a_sweep_writes_its_points_and_report_to_s3(s3, monkeypatch, capsys):
 FAULT = [*TINY, "--num-workers", "1", "--synthetic-train-size", "1536", "--log-every", "0"]
 
 
-def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir):
-    """Stopped after epoch 1's checkpoint, started again once epoch 2's checkpoint has failed: the
+def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir, ray_cluster):
+    """Stopped after epoch 1's checkpoint, started again once epoch 2's checkpoint and a write of
+    the run files have failed (a write retried into a server already back would fail nothing): the
     run finishes, epoch 3's checkpoint is saved, and every file has caught up."""
-    env = user_env(s3)
+    env = joined(ray_cluster, s3)
     run = running(user_dir, env, *FAULT, "--storage-path", s3.uri("fault"), "--name", "a",
                   "--epochs", "3")
     run.wait_for(lambda: checkpoints(s3, "fault/a"), every=0.5)
     s3.stop()
     down = time.monotonic()
-    run.wait_for(lambda: "NOT saved" in run.out)
+    run.wait_for(lambda: "NOT saved" in run.out and "to write later" in run.out)
     s3.start()
     print(f"\nS3 server down for {time.monotonic() - down:.1f} s during epoch 2")
     rc = run.finish()
@@ -318,14 +324,14 @@ def seed_checkpoint(server, prefix: str, epoch: int) -> str:
     return dest.uri
 
 
-def test_server_down_at_the_end_fails_clearly_then_the_same_command_resumes(s3, user_dir):
+def test_server_down_at_the_end_fails_clearly_then_the_same_command_resumes(s3, user_dir, ray_cluster):
     """A run from --resume-from s3://... (epoch 1 done) to epoch 3; the server is stopped once
     epoch 2's checkpoint is saved and recorded, and is not back before the end: the last checkpoint
     waits --retry-storage-s seconds, then one error line, exit 1. Later the same command resumes
     from epoch 2's checkpoint (Ray's latest wins over --resume-from; a partly written checkpoint
     planted beside it is not taken) and finishes."""
     seed = seed_checkpoint(s3, "seeds/checkpoint_seed", epoch=1)
-    env = user_env(s3)
+    env = joined(ray_cluster, s3)
     args = [*FAULT, "--storage-path", s3.uri("fault"), "--name", "b", "--epochs", "3",
             "--resume-from", seed, "--retry-storage-s", "2"]
     run = running(user_dir, env, *args)
@@ -352,7 +358,7 @@ def test_server_down_at_the_end_fails_clearly_then_the_same_command_resumes(s3, 
     assert strict(s3.read("fault/b/summary.json").decode())["finished"]
 
 
-def test_full_local_disk_fails_the_checkpoint_and_the_previous_one_stays(user_dir, tmp_path):
+def test_full_local_disk_fails_the_checkpoint_and_the_previous_one_stays(user_dir, tmp_path, ray_cluster):
     """A local --storage-path on a small tmpfs: epoch 1's checkpoint (~90 MB) fits, epoch 2's does
     not. One error line naming the disk, exit 1; epoch 1's checkpoint still loads; no partial
     checkpoint is left."""
@@ -365,9 +371,7 @@ def test_full_local_disk_fails_the_checkpoint_and_the_previous_one_stays(user_di
         shutil.rmtree(mnt, ignore_errors=True)
         pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_ADDRESS"))}
-        env["PYTHONPATH"] = ROOT
-        proc = train(user_dir, env, *FAULT, "--synthetic-train-size", "512", "--storage-path",
+        proc = train(user_dir, ray_cluster.user_env(), *FAULT, "--synthetic-train-size", "512", "--storage-path",
                      str(mnt), "--name", "full", "--epochs", "2", "--retry-storage-s", "2")
         assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
         line = one_error_line(proc.stderr)
