@@ -73,7 +73,9 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
         return [e for e in events(job, "world_size_changed") if (e["before"], e["after"]) == before_after]
     shrunk = job.wait_for(lambda: resized((2, 1)), timeout=300, what="the run to go on with one worker")
     assert shrunk[0]["global_batch"] == 64  # --batch-mode global: the same global batch
-    assert "world size changed 2 -> 1; --batch-mode global: global batch 64 -> 64" in job.output
+    # the driver's line reaches the job's output file a moment after the event reaches events.jsonl
+    job.wait_for(lambda: "world size changed 2 -> 1; --batch-mode global: global batch 64 -> 64" in job.output,
+                 timeout=60, what="the driver's line about the new world size")
     job.wait_for(lambda: "starting Ray on node2 again in 45 s (restart 1 of 3)" in job.output, timeout=60,
                  what="the script to say when it starts node2's Ray again")
     job.wait_for(lambda: "starting Ray on node2 again\n" in job.output, timeout=200,
