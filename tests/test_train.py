@@ -107,6 +107,9 @@ def test_checkpoint_moves_across_world_sizes(ray_joined, trained_run, tmp_path):
     back, rc = _train(tmp_path, "back", "--num-workers", "2", "--epochs", "4", "--resume-from",
                       json.load(open(os.path.join(new.run_dir(), "summary.json")))["latest_checkpoint"])
     assert rc == 0 and [r["epoch"] for r in _rows(back)] == [4]
+    for cfg, before, after in ((new, 2, 1), (back, 1, 2)):  # each resume says on how many workers
+        assert [e["world_size"] for e in events(cfg.run_dir(), "resumed")] == [after]
+        assert [(e["before"], e["after"]) for e in events(cfg.run_dir(), "world_size_changed")] == [(before, after)]
 
 
 def test_more_workers_than_the_cluster_holds_fails_at_once(ray_joined, tmp_path):

@@ -179,7 +179,7 @@ def announce(run: Run, resume: Resume) -> None:
     cfg = run.cfg
     run.files.keep_epochs_up_to(resume.epoch)
     if resume.state is not None:
-        run.files.event(Event.RESUMED, epoch=resume.epoch, step=resume.step)
+        run.files.event(Event.RESUMED, epoch=resume.epoch, step=resume.step, world_size=run.world)
         before = resume.state.get("world_size")
         if before and before != run.world:  # an elastic resize, or a rerun with another size
             cfg = run.cfg

@@ -19,7 +19,7 @@ class Event:
 
     EPOCH_START = "epoch_start"                # epoch, step (where it starts)
     FIRST_STEP = "first_step"                  # time the first step of this start finished
-    RESUMED = "resumed"                        # epoch, step of the checkpoint resumed from
+    RESUMED = "resumed"                        # epoch, step of the checkpoint resumed from, world_size
     WORLD_SIZE_CHANGED = "world_size_changed"  # before, after, the batch rule's figures
     CHECKPOINT_SAVED = "checkpoint_saved"      # checkpoint (folder name), epoch, step, bytes, upload_s
     CHECKPOINT_FAILED = "checkpoint_failed"    # epoch, step, error
