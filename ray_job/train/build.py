@@ -182,7 +182,6 @@ def announce(run: Run, resume: Resume) -> None:
         run.files.event(Event.RESUMED, epoch=resume.epoch, step=resume.step, world_size=run.world)
         before = resume.state.get("world_size")
         if before and before != run.world:  # an elastic resize, or a rerun with another size
-            cfg = run.cfg
             run.files.event(Event.WORLD_SIZE_CHANGED, before=before, after=run.world,
                             batch_mode=cfg.batch_mode, global_batch=cfg.global_batch(run.world),
                             lr=cfg.scaled_lr(run.world))
