@@ -43,7 +43,7 @@ os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=SESSION_TOKEN)
 # MLflow clients of the tests (and of the runs they start) send no usage telemetry anywhere.
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 # Two test processes and the runs they start share the machine's cores: OpenMP threads that spin
-# while they wait would starve the rest (see SlurmCluster.job_env), so every process we start sleeps.
+# while they wait would starve the rest (see SlurmCluster.job_env), so every process we start waits passively.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Marks that a test needs a real system; a test with none of them is `unit` (the inner loop).
 HEAVY = ("ray", "slurm", "s3", "mlflow")
