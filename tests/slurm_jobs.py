@@ -22,6 +22,7 @@ TINY = ["--data", "synthetic", "--model", "resnet18", "--stem", "imagenet",
         "--synthetic-train-size", "512", "--synthetic-test-size", "128", "--batch-size", "64",
         "--log-every", "4"]
 SBATCH = ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2", "--time=30"]
+STATE_EVERY_S = 2.0  # how often wait_for asks slurmctld for the job's state
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -62,14 +63,19 @@ class Job:
         return read_jsonl(self.run_dir / "events.jsonl")
 
     def wait_for(self, predicate, timeout: float, what: str):
+        """Poll `predicate()` (files: cheap) twice a second; ask slurmctld whether the job died
+        meanwhile every STATE_EVERY_S (a `scontrol` in the controller's namespace each time)."""
         deadline = time.monotonic() + timeout
+        asked = 0.0
         while not (value := predicate()):
-            state = self.info().get("JobState")
-            if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-                pytest.fail(f"job {self.id} {state} while waiting for {what}\n{self.tail()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; job {self.id} "
-                            f"{state}\n{self.tail()}\n{self.cluster.diagnostics()}")
+            now = time.monotonic()
+            if now - asked >= STATE_EVERY_S or now > deadline:
+                asked, state = now, self.info().get("JobState")
+                if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                    pytest.fail(f"job {self.id} {state} while waiting for {what}\n{self.tail()}")
+                if now > deadline:
+                    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; job {self.id} "
+                                f"{state}\n{self.tail()}\n{self.cluster.diagnostics()}")
             time.sleep(0.5)
         return value
 
@@ -81,7 +87,7 @@ class Job:
             if time.monotonic() > deadline:
                 pytest.fail(f"job {self.id} still {info.get('JobState')} after {timeout:.0f}s\n"
                             f"{self.tail()}")
-            time.sleep(0.5)
+            time.sleep(1)
         self.ended = time.time()
         return info
 

@@ -10,10 +10,11 @@ from conftest import run_cli
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_bench_smallest_size_writes_consistent_json(tmp_path):
+def test_bench_smallest_size_writes_consistent_json(ray_cluster, tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "step", "--model", "resnet18", "--batch-size", "16", "--steps", "1",
-                   "--warmup", "1", "--baseline-steps", "1", "--matmul-size", "256", "--out", str(out))
+                   "--warmup", "1", "--baseline-steps", "1", "--matmul-size", "256", "--out", str(out),
+                   env=ray_cluster.user_env())  # its Ray run joins the session's head
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     baseline, entry = report["baseline"], report["imagenet"]

@@ -27,8 +27,8 @@ from ray_job.core.errors import UsageError
 pytestmark = pytest.mark.timeout(900)  # the module's runs share the machine with other suites
 
 EXPERIMENT, MODEL = "rj-tests", "rj-resnet"
-# 2048 images: 32 steps per epoch, so that Ctrl-C after epoch 1 lands in epoch 2
-ARGS = ("train", *TINY, "--synthetic-train-size", "2048", "--num-workers", "2", "--epochs", "3", "--storage-path",
+# 1024 images: 16 steps per epoch; Ctrl-C after epoch 1 lands in epoch 2 (it stops a few steps later)
+ARGS = ("train", *TINY, "--synthetic-train-size", "1024", "--num-workers", "2", "--epochs", "3", "--storage-path",
         "results", "--name", "tracked", "--mlflow", "--mlflow-experiment", EXPERIMENT, "--mlflow-register", MODEL)
 NEW_RUN = re.compile(r"tracking: MLflow run (\w+) \(new\)")
 

@@ -115,7 +115,8 @@ def test_ctrl_c_checkpoints_where_it_is_and_the_same_command_continues(user_dir,
     then Ctrl-C twice: aborted at once, the previous checkpoint intact; a stop request written by
     hand (.preempt, as the README says): exit 3; and the same command once more continues at the
     saved step and finishes."""
-    args = ["train", "--data", "synthetic", "--synthetic-train-size", "2048", "--synthetic-test-size", "128",
+    # 1024 images: 16 steps per epoch; Ctrl-C at step 4 of epoch 2 stops there 2-4 steps later
+    args = ["train", "--data", "synthetic", "--synthetic-train-size", "1024", "--synthetic-test-size", "128",
             "--storage-path", "results", "--name", "stopme", "--num-workers", "2", "--epochs", "2",
             *MODEL, "--log-every", "2"]
     run_dir = user_dir / "results" / "stopme"

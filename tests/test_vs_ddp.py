@@ -90,10 +90,11 @@ def test_peer_under_torchrun_trains_checkpoints_and_resumes(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_bench_vs_ddp_two_workers_reports_every_figure_and_ratio(tmp_path):
+def test_bench_vs_ddp_two_workers_reports_every_figure_and_ratio(ray_cluster, tmp_path):
     out = tmp_path / "vs.json"
     proc = run_cli("bench", "vs-ddp", "--workers", "2", "--model", "resnet18", "--batch-size", "16",
-                   "--steps", "1", "--warmup", "1", "--matmul-size", "256", "--out", str(out))
+                   "--steps", "1", "--warmup", "1", "--matmul-size", "256", "--out", str(out),
+                   env=ray_cluster.user_env())  # its Ray runs join the session's head
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["errors"] == {} and r["ceiling"]["fp32"] > 0 and r["flops_per_image"]["train_step"] > 0
@@ -119,11 +120,12 @@ def test_bench_vs_ddp_two_workers_reports_every_figure_and_ratio(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_bench_to_accuracy_tiny_stops_both_recipes_at_a_reachable_accuracy(tmp_path):
+def test_bench_to_accuracy_tiny_stops_both_recipes_at_a_reachable_accuracy(ray_cluster, tmp_path):
     out = tmp_path / "race.json"
     proc = run_cli("bench", "race", "--target", "0.3", "--budget-s", "150", "--workers", "2",
                    "--model", "resnet18", "--synthetic-train-size", "512", "--synthetic-test-size", "256",
-                   "--ours-flags", "--epochs 2 --batch-size 128 --warmup-epochs 0.5", "--out", str(out))
+                   "--ours-flags", "--epochs 2 --batch-size 128 --warmup-epochs 0.5", "--out", str(out),
+                   env=ray_cluster.user_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     for key, launcher in (("baseline", "torchrun"), ("ours", "ray")):
