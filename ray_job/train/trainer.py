@@ -21,6 +21,10 @@ log = logging.getLogger("ray_job.driver")
 # An elastic run may try a size that a lost node still seems to offer (the GCS takes a few
 # heartbeats to mark it dead); each try waits this long before Ray Train decides again.
 ELASTIC_START_TIMEOUT_S = 30.0
+# Before a restart Ray Train waits this long for the old group's workers to destroy their process
+# group, then kills them; a hung or lost worker never answers, and Ray's default (30 s) delayed
+# every such restart by that much. A healthy group is done in well under a second.
+PG_SHUTDOWN_TIMEOUT_S = 5
 
 
 def connect(cfg: TrainConfig) -> None:
@@ -29,9 +33,11 @@ def connect(cfg: TrainConfig) -> None:
     if ray.is_initialized():  # e.g. the test suite's shared cluster
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
-    # Read by Ray Train's controller: how long a worker group may wait for its resources.
+    # Read by Ray Train's controller: how long a worker group may wait for its resources, and for
+    # the old group's process group to be destroyed before a restart.
     wait_s = start_timeout_s(cfg)
-    runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{wait_s:g}"}}
+    runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{wait_s:g}",
+                                "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PG_SHUTDOWN_TIMEOUT_S)}}
     if address:
         log.info("joining the Ray cluster at %s", address)
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
