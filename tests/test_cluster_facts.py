@@ -21,8 +21,6 @@ from ray_job.core.exits import ExitCode, slurm_action
 QUIET_LO = 10000 + os.getpid() % 5000
 
 
-
-
 def cluster_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ray_job.cluster", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, **(env or {})})
