@@ -42,8 +42,11 @@ with open(os.open(SESSION_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "
 os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=SESSION_TOKEN)
 # MLflow clients of the tests (and of the runs they start) send no usage telemetry anywhere.
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
-# Two test processes and the runs they start share the machine's cores: OpenMP threads that spin
-# while they wait would starve the rest (see SlurmCluster.job_env), so every process we start waits passively.
+# Two test processes, their runs and the SLURM test nodes (each claiming the machine's CPUs) run more
+# OpenMP threads than there are cores; OpenMP's default of spinning while it waits then starves every
+# thread (2 processes of 2 threads on 2 cores: 8-10 img/s each under load, 76-88 with PASSIVE), so
+# every process we start, SLURM jobs included (they get the submitter's environment), waits
+# passively. Real nodes do not oversubscribe, where spinning is faster: the product keeps the default.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Marks that a test needs a real system; a test with none of them is `unit` (the inner loop).
 HEAVY = ("ray", "slurm", "s3", "mlflow")

@@ -110,19 +110,13 @@ class SlurmCluster:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def job_env(self) -> dict[str, str]:
-        """Environment a job on this cluster needs on top of the usual one.
-
-        OMP_WAIT_POLICY=PASSIVE: the test nodes pretend to have the machine's CPUs each, so their
-        workers run more OpenMP threads than there are cores, and OpenMP's default of spinning while
-        it waits then starves every thread, other tests' included (2 processes of 2 threads on 2
-        cores: 8-10 img/s each under load, 76-88 with 1 thread or PASSIVE). Real nodes do not
-        oversubscribe, where spinning is the faster choice, so the product keeps the default."""
-        env = {"OMP_WAIT_POLICY": "PASSIVE"}
+        """Environment a job on this cluster needs on top of the usual one (which carries the
+        tests' OMP_WAIT_POLICY=PASSIVE from tests/conftest.py: jobs get the submitter's environment)."""
         if self.network == "netns":
             # The nodes share this machine's hostname, which resolves to 127.0.0.1, so gloo
             # would advertise loopback to the other node; name the node's interface instead.
-            env["GLOO_SOCKET_IFNAME"] = "eth0"
-        return env
+            return {"GLOO_SOCKET_IFNAME": "eth0"}
+        return {}
 
     def start(self, timeout: float = 60) -> SlurmCluster:
         self.root.mkdir(parents=True, exist_ok=True)
