@@ -125,13 +125,13 @@ start_worker() {
   start_node "$1" probe --address="$GCS_ADDRESS" "${extra[@]}"
 }
 
-# Until exactly the nodes given are alive (ray_job/cluster/readiness.py decides, and names what is
-# missing); in the background, so that USR1 is handled while it waits.
+# Until exactly the nodes given, with their GPUs, are alive (ray_job/cluster/readiness.py decides,
+# and names what is missing); in the background, so that USR1 is handled while it waits.
 wait_for_nodes() {
-  local want_gpus=$1 i rc=0; shift
+  local i rc=0
   local -a steps=()
   for i in "${!NODE_PIDS[@]}"; do steps+=(--step "${NODES[i]}=${NODE_PIDS[i]}"); done
-  cluster wait "$GCS_ADDRESS" --nodes "$@" --gpus "$want_gpus" --timeout $((CLUSTER_DEADLINE - SECONDS)) \
+  cluster wait "$GCS_ADDRESS" --nodes "$@" --gpus-per-node "$GPUS_PER_NODE" --timeout $((CLUSTER_DEADLINE - SECONDS)) \
     --log-dir "$LOG_DIR" "${steps[@]}" &
   local waiter=$!
   while :; do
@@ -147,10 +147,10 @@ start_cluster() {
   local i
   CLUSTER_DEADLINE=$((SECONDS + RJ_CLUSTER_TIMEOUT))
   start_head
-  wait_for_nodes "$GPUS_PER_NODE" "${NODES[0]}"
+  wait_for_nodes "${NODES[0]}"
   ((PREEMPT_REQUESTED)) && return 0
   for ((i = 1; i < ${#NODES[@]}; i++)); do start_worker "$i"; done
-  wait_for_nodes $((GPUS_PER_NODE * ${#NODES[@]})) "${NODES[@]}"
+  wait_for_nodes "${NODES[@]}"
 }
 
 # A worker node's Ray that ended while the job goes on (OOM killer, a crashed raylet) is started

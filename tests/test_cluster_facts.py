@@ -142,6 +142,14 @@ def test_readiness_fails_at_once_when_a_nodes_step_has_ended(tmp_path):
     assert f"{tmp_path}/n2.log" in str(e.value)
 
 
+def test_wait_counts_the_gpus_of_every_node_it_waits_for(tmp_path):
+    """The script gives GPUs per node; the GPUs to wait for are that times the nodes given."""
+    out = cluster_cli("wait", f"127.0.0.1:{free_port()}", "--nodes", "a", "b", "--gpus-per-node", "4",
+                      "--timeout", "0", "--log-dir", str(tmp_path))
+    assert out.returncode == ExitCode.CLUSTER_DOWN, out.stderr
+    assert "missing Ray node(s): a b (GPUs 0/8)" in out.stderr
+
+
 def test_cluster_status_is_down_when_nothing_listens():
     assert readiness.cluster_status(f"127.0.0.1:{free_port()}").line() == "down"
     assert readiness.cluster_status("not-an-address").line() == "down"

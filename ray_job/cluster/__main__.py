@@ -6,8 +6,9 @@
     token PATH                                  a fresh auth token in a new 0600 file
     nodes NODELIST [--head-ip IP]               "NAME IP" per SLURM node, the head first
     status HOST:PORT                            "<GPUs> <alive nodes...>", or "down"
-    wait HOST:PORT --nodes N.. --gpus G --timeout S --log-dir D [--step NODE=PID ...]
-                                                until those nodes are up (exit 4 and why, if not)
+    wait HOST:PORT --nodes N.. --gpus-per-node G --timeout S --log-dir D [--step NODE=PID ...]
+                                                until those nodes, with G GPUs each, are up (exit 4 and
+                                                why, if not)
     head-block --job-id J --range LO HI          "BASE GCS_PORT DASHBOARD_PORT" of a free block for the head
     exit-action RC|none STOP_REQUESTED [--run-name R]
                                                 "requeue STATUS_IF_REFUSED WHY" or "exit RC [WHY]" (core/exits.py)
@@ -49,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("wait")
     c.add_argument("address")
     c.add_argument("--nodes", nargs="+", required=True)
-    c.add_argument("--gpus", type=int, default=0)
+    c.add_argument("--gpus-per-node", type=int, default=0)
     c.add_argument("--timeout", type=float, required=True)
     c.add_argument("--log-dir", required=True)
     c.add_argument("--step", action="append", default=[], help="NODE=PID of its `ray start` step")
@@ -173,7 +174,7 @@ def _wait(ns: argparse.Namespace) -> int:
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [slurm_ray_start] {line}", file=sys.stderr, flush=True)
 
     try:
-        wait_for_nodes(ns.address, ns.nodes, ns.gpus, ns.timeout, steps, ns.log_dir, say)
+        wait_for_nodes(ns.address, ns.nodes, ns.gpus_per_node * len(ns.nodes), ns.timeout, steps, ns.log_dir, say)
     except NotReady as e:
         first, _, tails = str(e).partition("\n")
         print(tails, end="", file=sys.stderr)
