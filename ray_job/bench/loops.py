@@ -13,6 +13,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 from typing import Any, Optional
 
 import torch
@@ -170,11 +171,12 @@ def machine_busy_s() -> Optional[float]:
     return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
 
 
-def own_cpu_s() -> float:
+def own_usage() -> tuple[float, float, int]:
+    """This process's CPU seconds (user + system), system seconds, and minor page faults so far."""
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_stime, usage.ru_minflt
 
 
 def run_loop(spec: RunSpec, place: Placement) -> Optional[dict]:
@@ -188,14 +190,16 @@ def run_loop(spec: RunSpec, place: Placement) -> Optional[dict]:
     per_rank = spec.global_batch // place.world
     epoch, bf16 = (_baseline_loop if spec.loop == "baseline" else _our_loop)(spec, place, split, per_rank)
     warm = epoch(0, spec.warmup)
-    busy0, own0 = machine_busy_s(), own_cpu_s()
+    busy0, (own0, sys0, faults0) = machine_busy_s(), own_usage()
     timed = epoch(1, spec.steps)
-    busy1, own1 = machine_busy_s(), own_cpu_s()
+    busy1, (own1, sys1, faults1) = machine_busy_s(), own_usage()
     cuda = place.device.type == "cuda"
     mine = dict(rank=place.rank, host=socket.gethostname(), count=timed.count, wall_s=timed.wall_s, steps=timed.steps,
                 step_s_median=statistics.median(timed.step_times) if timed.step_times else None,
                 split_s=dict(data=timed.data_s, fwd_bwd=timed.fwd_bwd_s, optim=timed.optim_s),
                 own_cpu_s=own1 - own0, machine_busy_s=None if busy0 is None else busy1 - busy0,
+                sys_cpu_s=sys1 - sys0, page_faults=faults1 - faults0,
+                main_thread=threading.current_thread() is threading.main_thread(),
                 first_step_time=warm.first_step_time, peak_host_mem_gib=peak_rss_gib(),
                 peak_gpu_mem_gib=torch.cuda.max_memory_allocated(place.device) / 2**30 if cuda else None)
     everyone = [mine]
@@ -217,7 +221,13 @@ def run_loop(spec: RunSpec, place: Placement) -> Optional[dict]:
                 peak_host_mem_gib=max(r["peak_host_mem_gib"] for r in everyone),
                 peak_host_mem_gib_per_process=[r["peak_host_mem_gib"] for r in everyone],
                 peak_gpu_mem_gib=max(gpu) if gpu else None,
-                other_cpu_share=other_cpu_share(mine, everyone))
+                other_cpu_share=other_cpu_share(mine, everyone),
+                # what the kernel did for the training processes: minor page faults per step (memory
+                # the allocator gave back and takes again) and the system share of their CPU time
+                page_faults_per_step=sum(r["page_faults"] for r in everyone) / max(timed.steps * place.world, 1),
+                system_cpu_share=sum(r["sys_cpu_s"] for r in everyone) / max(sum(r["own_cpu_s"] for r in everyone),
+                                                                             1e-9),
+                main_thread=mine["main_thread"])
 
 
 def other_cpu_share(rank0: dict, everyone: list[dict]) -> Optional[float]:

@@ -183,15 +183,17 @@ def format_vs_ddp(r: dict) -> str:
              f"{r['ray_cluster_start_s']:.1f} s (before the runs, not in them)",
              f"{'launcher':<10}{'loop':<6}{'prec':>6}{'img/s':>10}{'step ms':>9}{'launch->1st step s':>20}"
              f"{'peak host GiB/proc':>20}{'peak GPU GiB/proc':>19}{'GFLOP/s':>10}{'of peak':>9}"
-             f"{'other CPU':>10}"]
+             f"{'other CPU':>10}{'faults/step':>12}{'sys CPU':>8}"]
     for run in r["runs"].values():
         lines.append(f"{run['launcher']:<10}{run['loop']:<6}{run['precision']:>6}{run['images_per_s']:>10.1f}"
                      f"{_f(run['step_ms_median'], '.1f'):>9}{run['launch_to_first_step_s']:>20.1f}"
                      f"{run['peak_host_mem_gib']:>20.2f}{_f(run['peak_gpu_mem_gib'], '.2f'):>19}"
                      f"{_f(run['achieved_flops'], ',.1f', 1e-9):>10}{_f(run['flop_share'], '.1%'):>9}"
-                     f"{_f(run['other_cpu_share'], '.0%'):>10}")
+                     f"{_f(run['other_cpu_share'], '.0%'):>10}{_f(run.get('page_faults_per_step'), ',.0f'):>12}"
+                     f"{_f(run.get('system_cpu_share'), '.0%'):>8}")
     lines.append("other CPU: share of the machine busy outside the training processes during the timed steps "
-                 "(the launcher's own processes, plus anyone else's jobs)")
+                 "(the launcher's own processes, plus anyone else's jobs); faults/step: minor page faults per "
+                 "process and step; sys CPU: the kernel's share of the training processes' CPU time")
     for key, err in r["errors"].items():
         lines.append(f"{key}: FAILED ({err.splitlines()[0][:150]})")
     rt = r["ratios"]
