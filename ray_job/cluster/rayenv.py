@@ -19,6 +19,14 @@ DEFAULTS = {
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
+# glibc's malloc in the processes of a run (the training workers): Ray Train runs the training loop
+# in a thread of the worker, not in its main thread, so the loop's memory comes from a thread
+# arena, and glibc unmaps a thread arena's heap as soon as it is empty, whatever the trim
+# threshold (malloc/arena.c, heap_trim): each step's activations and gradients were handed back
+# to the kernel at its end and page-faulted in again by the next (thousands of faults per step on
+# CPU; `bench vs-ddp` counts them). A top pad of one heap (64 MiB) keeps them; setting it turns off
+# glibc's dynamic mmap threshold, so that is fixed at its dynamic ceiling (32 MiB).
+WORKER_MALLOC = {"MALLOC_TOP_PAD_": str(64 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 # Variables that would point a client at another cluster or another token.
 FOREIGN = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
@@ -26,6 +34,11 @@ FOREIGN = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_T
 def defaults(env: Mapping[str, str]) -> dict[str, str]:
     """The defaults that `env` does not set already (a user's own value wins)."""
     return {k: v for k, v in DEFAULTS.items() if k not in env}
+
+
+def worker_malloc(env: Mapping[str, str]) -> dict[str, str]:
+    """WORKER_MALLOC where `env` sets neither variable (a user's own malloc settings win)."""
+    return {} if any(k in env for k in WORKER_MALLOC) else dict(WORKER_MALLOC)
 
 
 def apply_defaults(env=None) -> None:

@@ -34,10 +34,11 @@ def connect(cfg: TrainConfig) -> None:
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     # Read by Ray Train's controller: how long a worker group may wait for its resources, and for
-    # the old group's process group to be destroyed before a restart.
+    # the old group's process group to be destroyed before a restart; and the workers' malloc.
     wait_s = start_timeout_s(cfg)
     runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{wait_s:g}",
-                                "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PG_SHUTDOWN_TIMEOUT_S)}}
+                                "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PG_SHUTDOWN_TIMEOUT_S),
+                                **rayenv.worker_malloc(os.environ)}}
     if address:
         log.info("joining the Ray cluster at %s", address)
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
