@@ -1,9 +1,11 @@
 """pyarrow filesystems with faults, for checkpoint tests without a server: a local folder whose
-reads are slow (an object store under load) or whose writes lose their end (a cut-off upload).
+reads are slow (an object store under load), whose writes lose their end (a cut-off upload) or fail
+midway (a full disk), or that records the order in which files are written.
 Being `PyFileSystem`s, not `LocalFileSystem`s, they take Ray's remote-checkpoint code paths."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -15,11 +17,13 @@ CHUNK = 1 << 20
 
 class LocalFaults(pafs.FileSystemHandler):
     """LocalFileSystem, but each read of up to CHUNK bytes first sleeps `read_delay_s`, each CHUNK
-    written takes `write_delay_s`, and each file written loses its last `drop_bytes` bytes."""
+    written takes `write_delay_s`, each file written loses its last `drop_bytes` bytes, and a write
+    past `full_after` bytes of a file fails as on a full disk. `opened`: the files written, in order."""
 
-    def __init__(self, read_delay_s: float = 0.0, drop_bytes: int = 0, write_delay_s: float = 0.0):
+    def __init__(self, read_delay_s: float = 0.0, drop_bytes: int = 0, write_delay_s: float = 0.0,
+                 full_after: int = 0):
         self.fs, self.read_delay_s, self.drop_bytes = pafs.LocalFileSystem(), read_delay_s, drop_bytes
-        self.write_delay_s = write_delay_s
+        self.write_delay_s, self.full_after, self.opened = write_delay_s, full_after, []
 
     def __eq__(self, other):
         return isinstance(other, LocalFaults)
@@ -67,7 +71,9 @@ class LocalFaults(pafs.FileSystemHandler):
         return self.open_input_stream(path)
 
     def open_output_stream(self, path, metadata):
-        return pyarrow.PythonFile(_ShortWriter(path, self.drop_bytes, self.write_delay_s), mode="w")
+        self.opened.append(path)
+        return pyarrow.PythonFile(_ShortWriter(path, self.drop_bytes, self.write_delay_s, self.full_after),
+                                  mode="w")
 
     def open_append_stream(self, path, metadata):
         raise OSError("no appends")
@@ -90,11 +96,15 @@ class _SlowReader:
 
 
 class _ShortWriter:
-    def __init__(self, path, drop_bytes, delay_s=0.0):
+    def __init__(self, path, drop_bytes, delay_s=0.0, full_after=0):
         self.path, self.drop_bytes, self.delay_s, self.parts, self.closed = path, drop_bytes, delay_s, [], False
+        self.full_after, self.written = full_after, 0
 
     def write(self, data):
         time.sleep(self.delay_s * len(data) / CHUNK)
+        self.written += len(data)
+        if self.full_after and self.written > self.full_after:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.parts.append(bytes(data))
         return len(data)
 
@@ -122,6 +132,15 @@ def short_writes(drop_bytes: int) -> pafs.PyFileSystem:
 
 def slow_writes(write_delay_s: float) -> pafs.PyFileSystem:
     return pafs.PyFileSystem(LocalFaults(write_delay_s=write_delay_s))
+
+
+def full_after(nbytes: int) -> pafs.PyFileSystem:
+    return pafs.PyFileSystem(LocalFaults(full_after=nbytes))
+
+
+def write_order() -> pafs.PyFileSystem:
+    """A local folder that records the files written (`.handler.opened`)."""
+    return pafs.PyFileSystem(LocalFaults())
 
 
 # --- processes for the shared-download test (spawned: top-level functions) ---

@@ -1,5 +1,6 @@
-"""Checkpoints are whole or refused: the manifest (size + SHA-256 of each file), verified after
-every upload and on every load; and why loads never go through Ray's shared download folder.
+"""Checkpoints are whole or refused: the manifest (size + SHA-256 of each file), written last and
+only after the stored copy has its size, and verified on every load; and why loads never go through
+Ray's shared download folder.
 
 The cause of a stop checkpoint on S3 that could not be loaded (two workers on one node resuming):
 Ray's `Checkpoint.as_directory()` downloads a remote checkpoint once per node into a folder named
@@ -18,17 +19,21 @@ import pytest
 import torch
 
 import fsfaults
-from ray_job.train.checkpoint import (CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError, load_checkpoint,
-                                save_checkpoint, upload_checkpoint)
 from ray_job.storage import Location, StorageError, at
+from ray_job.train.checkpoint import (CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError, load_checkpoint,
+                                      save_checkpoint, training_state, write_checkpoint)
+
+
+def state(epoch: int = 1, width: int = 1024) -> dict:
+    """A small real training state (a width x width linear model: 4 MiB per 1024)."""
+    model = torch.nn.Linear(width, width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return dict(model=model, optimizer=optimizer, epoch=epoch, step=0, config={}, metrics={})
 
 
 def write(directory, epoch: int = 1, width: int = 1024) -> str:
-    """A small real checkpoint (a width x width linear model: 4 MiB per 1024) in `directory`."""
-    model = torch.nn.Linear(width, width)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    save_checkpoint(str(directory), model=model, optimizer=optimizer, epoch=epoch, step=0,
-                    config={}, metrics={})
+    """A small real checkpoint in `directory`."""
+    save_checkpoint(str(directory), **state(epoch, width))
     return str(directory)
 
 
@@ -72,21 +77,31 @@ def test_a_checkpoint_written_before_manifests_still_loads(tmp_path):
     assert load_checkpoint(str(tmp_path))["epoch"] == 4
 
 
-def test_an_upload_that_stores_a_short_copy_is_not_saved(tmp_path):
+def test_a_store_that_keeps_a_short_copy_is_not_saved(tmp_path):
     """The store keeps fewer bytes than were sent (a cut-off multipart upload): the copy does not
     verify, it is removed, and nothing of it is left to be taken as a checkpoint."""
-    local = write(tmp_path / "local")
     dest = Location(fsfaults.short_writes(1000), str(tmp_path / "store" / "checkpoint_x"), "store://x")
     with pytest.raises(StorageError, match=r"does not verify: checkpoint.pt holds \d+ bytes, 1000 bytes short"):
-        upload_checkpoint(local, dest)
+        write_checkpoint(dest, training_state(**state()))
     assert not os.path.exists(tmp_path / "store" / "checkpoint_x")
 
 
-def test_an_upload_verifies_and_the_manifest_comes_last(tmp_path):
-    local = write(tmp_path / "local", epoch=2)
+def test_a_write_that_fails_midway_says_why_and_leaves_nothing(tmp_path):
+    """The disk fills (or the connection drops) in the middle of the file: torch.save reports only
+    "unexpected pos"; the store's own error is what the user reads, and the folder is removed."""
+    dest = Location(fsfaults.full_after(2**20), str(tmp_path / "store" / "checkpoint_z"), "store://z")
+    with pytest.raises(StorageError, match="No space left on device"):
+        write_checkpoint(dest, training_state(**state()))
+    assert not os.path.exists(tmp_path / "store" / "checkpoint_z")
+
+
+def test_a_checkpoint_is_written_in_one_pass_and_the_manifest_comes_last(tmp_path):
     dest = at(str(tmp_path / "store" / "checkpoint_y"))
-    upload_checkpoint(local, dest)
+    order = fsfaults.write_order()
+    nbytes = write_checkpoint(Location(order, dest.path, dest.uri), training_state(**state(epoch=2)))
+    assert [os.path.basename(p) for p in order.handler.opened] == [CHECKPOINT_FILE, MANIFEST_FILE]
     assert sorted(os.listdir(dest.path)) == [CHECKPOINT_FILE, MANIFEST_FILE]
+    assert nbytes == sum(os.path.getsize(os.path.join(dest.path, f)) for f in os.listdir(dest.path))
     assert load_checkpoint(dest)["epoch"] == 2
 
 

@@ -1,8 +1,9 @@
 """The checkpointer without Ray (its two Ray calls are a recording stand-in): asynchronous saves
-that are reported only once complete, with their own metrics; the last checkpoint written before
-save() returns; a failed background upload reported without a checkpoint, the next one saved; a
-process killed during an upload leaving the previous checkpoint the latest; resume falling back
-from a damaged newest checkpoint to the newest that verifies."""
+that are reported only once complete, with their own metrics; snapshots copied into the last one's
+memory; the last checkpoint written before save() returns; a failed background upload reported
+without a checkpoint, the next one saved; a process killed during an upload leaving the previous
+checkpoint the latest; resume falling back from a damaged newest checkpoint to the newest that
+verifies."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ray_job.storage import Location, at, read_jsonl
 from ray_job.train.checkpoint import CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError
 from ray_job.train.checkpointer import Checkpointer, RayLink, saved_checkpoints
 from ray_job.train.runlog import RunLog
+from ray_job.train.uploader import snapshot
 
 
 class Reports:
@@ -72,6 +74,35 @@ def test_an_async_save_is_reported_once_complete_with_its_own_metrics(tmp_path):
     assert torch.all(load_checkpoint(folder)["model"]["weight"] == 1.0)
     saved = [e for e in read_jsonl(store.join("events.jsonl")) if e["event"] == "checkpoint_saved"]
     assert [e["checkpoint"] for e in saved] == [os.path.basename(path)] and saved[0]["bytes"] > 0
+
+
+def test_the_next_snapshot_is_copied_into_the_last_one_and_each_checkpoint_keeps_its_values(tmp_path):
+    store = at(str(tmp_path / "run"))
+    ckpt, reports = make(store)
+    model, optimizer = model_state(1.0)
+    for epoch, value in ((1, 1.0), (2, 3.0)):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        ckpt.save(state_fn(model, optimizer, epoch=epoch), {"epoch": epoch})
+        ckpt.wait()
+        ckpt.report_saved()
+    from ray_job.train.checkpoint import load_checkpoint
+
+    paths = [path for _, path in reports.calls]
+    assert [load_checkpoint(Location(store.fs, p, p))["model"]["weight"].unique().tolist() for p in paths] == \
+        [[1.0], [3.0]]
+
+
+def test_a_snapshot_reuses_the_tensors_that_match_and_allocates_the_rest():
+    model, _ = model_state(1.0, width=8)
+    first = snapshot(model.state_dict()).wait()
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    old = {"weight": first["weight"], "bias": torch.zeros(3)}  # bias: another shape
+    second = snapshot(model.state_dict(), into=old).wait()
+    assert second["weight"].data_ptr() == first["weight"].data_ptr() and torch.all(second["weight"] == 2.0)
+    assert second["bias"].shape == (8,) and torch.equal(second["bias"], model.bias.detach())
+    assert second["weight"].data_ptr() != model.weight.data_ptr()  # a copy, never the live tensor
 
 
 def test_the_last_checkpoint_is_written_before_save_returns(tmp_path):

@@ -311,16 +311,14 @@ def seed_checkpoint(server, prefix: str, epoch: int) -> str:
     from ray_job.config import parse_train_args
     from ray_job.model.optim import build_optimizer
     from ray_job.model.resnet import build_model
-    from ray_job.train.checkpoint import save_checkpoint, upload_checkpoint
+    from ray_job.train.checkpoint import save_checkpoint
 
     cfg = parse_train_args(TINY)
     model = build_model(cfg.model, cfg.stem, 10)
     optimizer = build_optimizer(model, cfg, 1, torch.device("cpu"))
     dest = storage.Location(server.client(), f"{server.bucket}/{prefix}", server.uri(prefix))
-    with tempfile.TemporaryDirectory() as d:
-        save_checkpoint(d, model=model, optimizer=optimizer, epoch=epoch, step=0,
-                        config=cfg.to_dict(), metrics={}, world_size=1)
-        upload_checkpoint(d, dest)
+    save_checkpoint(dest, model=model, optimizer=optimizer, epoch=epoch, step=0, config=cfg.to_dict(),
+                    metrics={}, world_size=1)
     return dest.uri
 
 

@@ -35,14 +35,13 @@ def report(case: str, **figures) -> None:
 
 
 def temp_entries() -> set[str]:
-    """Our temporary folders in /tmp (TensorBoard copies, checkpoints being written) whose process
-    is gone: what a killed worker left (named <prefix><pid>_...; other tests' live ones are not)."""
-    from ray_job.train.runlog import CKPT_PREFIX, TB_PREFIX
+    """Our temporary folders in /tmp (TensorBoard copies) whose process is gone: what a killed
+    worker left (named <prefix><pid>_...; other tests' live ones are not)."""
+    from ray_job.train.runlog import TB_PREFIX
 
     found = set()
     for name in os.listdir("/tmp"):
-        prefix = next((p for p in (TB_PREFIX, CKPT_PREFIX) if name.startswith(p)), None)
-        pid = name[len(prefix):].split("_", 1)[0] if prefix else ""
+        pid = name[len(TB_PREFIX):].split("_", 1)[0] if name.startswith(TB_PREFIX) else ""
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             found.add(name)
     return found

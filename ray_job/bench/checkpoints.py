@@ -5,9 +5,11 @@ per storage: without checkpoints, with a checkpoint every --every steps written 
 step waits for serialisation, upload and check), and asynchronously (the default of `train`: the
 step waits only for a snapshot in host memory; the checkpointer of `train`, ray_job/train/
 checkpointer.py, uploads it in the background and it is reported once complete). It prints steady
-images/s of each against the run without checkpoints, and the stall per checkpoint: the checkpoint
-step's time above the median step. A storage is a folder or s3://BUCKET/PREFIX (the AWS variables
-as for `train --storage-path`); each run's folder there is removed once measured.
+images/s of each against the run without checkpoints, the stall per checkpoint (the checkpoint
+step's time above the median step), and the CPU time the writer spent per checkpoint (serialising,
+hashing, writing: what it takes from training where they share the cores). A storage is a folder
+or s3://BUCKET/PREFIX (the AWS variables as for `train --storage-path`); each run's folder there is
+removed once measured.
 
     python -m ray_job bench checkpoints --model resnet50 --steps 60 --every 10
     python -m ray_job bench checkpoints --storage ./results/bench_ckpt,s3://bucket/bench
@@ -119,6 +121,7 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
                 images_per_s=cfg.batch_size * len(times) / sum(times), median_step_s=median,
                 stall_s=statistics.mean(stalls) if stalls else 0.0,
                 upload_s=statistics.mean(e["upload_s"] for e in saved) if saved else None,
+                cpu_s=statistics.mean(e["cpu_s"] for e in saved) if saved else None,
                 checkpoint_mib=saved[0]["bytes"] / 2**20 if saved else None)
 
 
@@ -148,13 +151,14 @@ def format_report(r: dict) -> str:
              f"{c['batch_size']}, {c['steps']} steps, a checkpoint every {c['every']}; load average "
              f"{r['load_avg'][0]:.2f}",
              f"{'storage':<34}{'mode':<7}{'img/s':>9}{'vs none':>9}{'stall ms':>10}{'vs sync':>9}"
-             f"{'upload s':>10}{'MiB':>7}{'saved':>7}"]
+             f"{'upload s':>10}{'CPU s':>7}{'MiB':>7}{'saved':>7}"]
     for x in r["runs"]:
         where = x["storage"] if len(x["storage"]) <= 33 else "..." + x["storage"][-30:]
         lines.append(f"{where:<34}{x['mode']:<7}{x['images_per_s']:>9.1f}{x['vs_none']:>9.1%}"
                      f"{x['stall_s'] * 1e3:>10.1f}"
                      f"{'-' if x['stall_vs_sync'] is None else format(x['stall_vs_sync'], '.1%'):>9}"
                      f"{'-' if x['upload_s'] is None else format(x['upload_s'], '.2f'):>10}"
+                     f"{'-' if x['cpu_s'] is None else format(x['cpu_s'], '.2f'):>7}"
                      f"{'-' if x['checkpoint_mib'] is None else format(x['checkpoint_mib'], '.0f'):>7}"
                      f"{x['checkpoints']:>7}")
     lines.append("targets: async keeps >= 98% of the images/s without checkpoints; its stall <= 10% of sync's")

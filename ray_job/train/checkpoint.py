@@ -2,29 +2,30 @@
 makes a checkpoint provably whole.
 
 The model is saved unwrapped (no `module.` / `_orig_mod.` prefixes) and everything is loaded onto the
-CPU first, so a checkpoint loads on any world size and any device. Checkpoints are written to a
-local folder, then copied to the run folder (a local folder or an object store) by `upload_checkpoint`.
+CPU first, so a checkpoint loads on any world size and any device.
 
-Whole or not at all: `save_checkpoint` records each file's size and SHA-256 in `manifest.json`;
-`upload_checkpoint` copies the files, checks that the store holds each at its recorded size, and
-copies the manifest last. Every load reads the bytes itself (`read_verified`: never a download
-shared with other processes) and checks them against the manifest before unpickling, naming the
-file that is short, and by how much, or whose checksum differs.
+Whole or not at all: `write_checkpoint` serialises the state straight into the checkpoint folder (a
+local folder or an object store: one pass, no local copy first), counting and hashing the bytes on
+their way out; it checks that the store holds the file at that size, and writes `manifest.json`
+(size and SHA-256) last. A failed or short copy is removed. Every load reads the bytes itself
+(`read_verified`: never a download shared with other processes) and checks them against the
+manifest before unpickling, naming the file that is short, and by how much, or whose checksum
+differs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
-import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from .. import storage
 from ..core.errors import UsageError
 from ..core.jsonio import dumps, loads
-from ..storage import Location, StorageError, Where
+from ..storage import Location, StorageError, Where, faults
 
 CHECKPOINT_FILE = "checkpoint.pt"
 MANIFEST_FILE = "manifest.json"
@@ -54,32 +55,69 @@ def training_state(*, model: torch.nn.Module, optimizer, epoch: int, step: int, 
     }
 
 
-def write_state(directory: str, state: dict) -> str:
-    """Writes a training_state() as checkpoint.pt, then its manifest."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, CHECKPOINT_FILE)
-    torch.save(state, path)
-    write_manifest(directory)
-    return path
+def save_checkpoint(dest: Where, **state) -> str:
+    """Writes the training state of `training_state(**state)` into the folder `dest`; the path of its
+    checkpoint file."""
+    folder = storage.at(dest)
+    write_checkpoint(folder, training_state(**state))
+    return folder.join(CHECKPOINT_FILE).uri
 
 
-def save_checkpoint(directory: str, **state) -> str:
-    """Writes the training state of `training_state(**state)` and its manifest."""
-    return write_state(directory, training_state(**state))
+class _Counted:
+    """A write-only file that counts and hashes what passes through to `sink`, and keeps the
+    sink's own error (torch.save reports a failed write as a bare RuntimeError)."""
+
+    def __init__(self, sink: Any):
+        self.sink, self.bytes, self.sha256, self.error = sink, 0, hashlib.sha256(), None
+
+    def write(self, data: Any) -> int:
+        try:
+            self.sink.write(data)
+        except BaseException as e:
+            self.error = e
+            raise
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
 
 
-def write_manifest(directory: str) -> dict:
-    """Records the size and SHA-256 of every file of a local checkpoint folder in its manifest."""
-    files = {}
-    for name in sorted(os.listdir(directory)):
-        if name != MANIFEST_FILE:
-            with open(os.path.join(directory, name), "rb") as f:
-                files[name] = dict(bytes=os.fstat(f.fileno()).st_size,
-                                   sha256=hashlib.file_digest(f, "sha256").hexdigest())
-    manifest = dict(format_version=FORMAT_VERSION, files=files)
-    with open(os.path.join(directory, MANIFEST_FILE), "w") as f:
-        f.write(dumps(manifest, indent=2, sort_keys=True))
-    return manifest
+WRITE_BUFFER = 8 * 2**20  # bytes handed to the store at a time (torch.save writes ~80 KB pieces)
+
+
+def write_checkpoint(dest: Location, state: dict, wait_s: float = 0.0) -> int:
+    """Serialises `state` into the folder `dest` as checkpoint.pt, checks the stored size and writes
+    the manifest last; retried for up to `wait_s` seconds. Returns the folder's bytes. A failed or
+    short copy is removed, so a partial checkpoint is never left to be taken. (pyarrow does not
+    expose S3's checksums: the SHA-256 is checked again on every load instead.)"""
+    file = dest.join(CHECKPOINT_FILE)
+
+    def write() -> int:
+        try:
+            with faults("write", file):
+                dest.makedirs()
+                with dest.fs.open_output_stream(file.path, compression=None, buffer_size=WRITE_BUFFER) as f:
+                    out = _Counted(f)
+                    try:
+                        torch.save(state, out)
+                    except Exception:
+                        if out.error is not None:
+                            raise out.error from None
+                        raise
+            problem = mismatch(CHECKPOINT_FILE, dict(bytes=out.bytes), file.info().size)
+            if problem:
+                raise StorageError(f"the copy of checkpoint {dest.uri} does not verify: {problem}")
+            manifest = dumps(dict(format_version=FORMAT_VERSION, files={
+                CHECKPOINT_FILE: dict(bytes=out.bytes, sha256=out.sha256.hexdigest())}), indent=2, sort_keys=True)
+            dest.join(MANIFEST_FILE).write_text(manifest)
+            return out.bytes + len(manifest.encode())
+        except StorageError:
+            with contextlib.suppress(StorageError):
+                dest.delete()
+            raise
+    return storage.retrying(write, wait_s, f"saving checkpoint {dest.uri}")
 
 
 def read_manifest(folder: Location) -> Optional[dict]:
@@ -164,26 +202,6 @@ def read_verified(file: Location) -> bytes:
 
 def _name(path: Where) -> str:
     return path.uri if isinstance(path, Location) else path
-
-
-def upload_checkpoint(local_dir: str, dest: Location, wait_s: float = 0.0) -> None:
-    """Copies a checkpoint folder written by save_checkpoint to storage and verifies the copy,
-    retrying for up to `wait_s` seconds. The files go first, each checked at its recorded size on
-    the store, and the manifest last; a failed or short copy is removed, so a partial checkpoint is
-    never left to be taken. (pyarrow does not expose S3's checksums: the SHA-256 is checked again
-    on every load instead.)"""
-    with open(os.path.join(local_dir, MANIFEST_FILE)) as f:
-        files = loads(f.read())["files"]
-
-    def upload() -> None:
-        dest.upload_files(local_dir, sorted(files))
-        for name, recorded in sorted(files.items()):
-            problem = mismatch(name, recorded, dest.join(name).info().size)
-            if problem:
-                dest.delete()
-                raise StorageError(f"the copy of checkpoint {dest.uri} does not verify: {problem}")
-        dest.upload_files(local_dir, [MANIFEST_FILE])
-    storage.retrying(upload, wait_s, f"saving checkpoint {dest.uri}")
 
 
 def restore_training_state(state: dict, *, model, optimizer) -> None:

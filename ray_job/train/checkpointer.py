@@ -1,9 +1,9 @@
 """Every checkpoint of a run: saving it, finding the newest complete one, resuming from it.
 
-Saving (rank 0 writes, every rank reports: Ray's report is a barrier): the state is written to a
-local folder with its manifest (checkpoint.py), copied to the run folder and verified there, then
-recorded as `checkpoint_saved` in events.jsonl, and only then reported to Ray -- so a partial
-checkpoint is never the latest. One that cannot be saved (storage unreachable, disk full) is logged
+Saving (rank 0 writes, every rank reports: Ray's report is a barrier): the state is written into its
+folder of the run folder and verified there, with its manifest last (checkpoint.py), then recorded
+as `checkpoint_saved` in events.jsonl, and only then reported to Ray -- so a partial checkpoint is
+never the latest. One that cannot be saved (storage unreachable, disk full) is logged
 as `checkpoint_failed` and skipped, and training goes on; the `last` one (end of the run, a stop
 request) is retried for up to --retry-storage-s, and its error is returned if it still fails.
 
@@ -19,7 +19,6 @@ Retention is Ray's (`retention()`: the --keep-checkpoints best by test accuracy,
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,10 +26,9 @@ from typing import Optional
 
 from .. import storage
 from ..storage import Location, StorageError
-from .checkpoint import (CHECKPOINT_FILE, CheckpointError, load_checkpoint, training_state, upload_checkpoint,
-                         write_state)
+from .checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint, training_state, write_checkpoint
 from .runfiles import CHECKPOINT_PREFIX, EVENTS_JSONL, Event
-from .runlog import CKPT_PREFIX, RunLog, temp_folder
+from .runlog import RunLog
 from .uploader import Upload, snapshot
 
 log = logging.getLogger("ray_job")
@@ -92,6 +90,7 @@ class Checkpointer:
         self.files, self.retry_storage_s, self.asynchronous = files, retry_storage_s, asynchronous
         self._upload: Optional[Upload] = None   # rank 0: in flight, or done and not yet reported
         self._metrics: dict = {}
+        self._last_snapshot = None  # rank 0: the next snapshot is copied into it (its upload was reported)
 
     # --- rank 0's state, for the step control ---
     def idle(self) -> bool:
@@ -113,8 +112,9 @@ class Checkpointer:
         if not last and self.asynchronous:
             if self.is_rank0:
                 assert self._upload is None, "a checkpoint started before the previous one was reported"
-                name, snap = self.ray.new_dir_name(), snapshot(training_state(**state()))
-                self._metrics = metrics
+                name = self.ray.new_dir_name()
+                snap = snapshot(training_state(**state()), into=self._last_snapshot)
+                self._last_snapshot, self._metrics = snap.state, metrics
                 self._upload = Upload(lambda: self._write(name, snap.wait(), 0.0))
             return None
         path, error = None, None
@@ -137,20 +137,17 @@ class Checkpointer:
         """(the saved folder's path on the storage, None) or (None, why it was not saved)."""
         dest = self.store.join(name)
         position = where(state["epoch"], state["step"])
-        with temp_folder(CKPT_PREFIX) as d:
-            write_state(d, state)
-            nbytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
-            started = time.perf_counter()
-            try:
-                upload_checkpoint(d, dest, wait_s)
-            except StorageError as e:
-                log.warning("checkpoint at %s NOT saved: %s%s", position, e,
-                            "" if wait_s else "; training goes on, the next checkpoint tries again")
-                self.files.event(Event.CHECKPOINT_FAILED, epoch=state["epoch"], step=state["step"],
-                                 error=str(e))
-                return None, f"the checkpoint at {position} was not saved: {e}"
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            nbytes = write_checkpoint(dest, state, wait_s)
+        except StorageError as e:
+            log.warning("checkpoint at %s NOT saved: %s%s", position, e,
+                        "" if wait_s else "; training goes on, the next checkpoint tries again")
+            self.files.event(Event.CHECKPOINT_FAILED, epoch=state["epoch"], step=state["step"], error=str(e))
+            return None, f"the checkpoint at {position} was not saved: {e}"
         self.files.event(Event.CHECKPOINT_SAVED, checkpoint=dest.name, epoch=state["epoch"],
-                         step=state["step"], bytes=nbytes, upload_s=time.perf_counter() - started)
+                         step=state["step"], bytes=nbytes, upload_s=time.perf_counter() - started,
+                         cpu_s=time.thread_time() - cpu)
         return dest.path, None
 
     # --- resuming ---

@@ -21,7 +21,7 @@ class Event:
     FIRST_STEP = "first_step"                  # time the first step of this start finished
     RESUMED = "resumed"                        # epoch, step of the checkpoint resumed from, world_size
     WORLD_SIZE_CHANGED = "world_size_changed"  # before, after, the batch rule's figures
-    CHECKPOINT_SAVED = "checkpoint_saved"      # checkpoint (folder name), epoch, step, bytes, upload_s
+    CHECKPOINT_SAVED = "checkpoint_saved"      # checkpoint (folder name), epoch, step, bytes, upload_s, cpu_s
     CHECKPOINT_FAILED = "checkpoint_failed"    # epoch, step, error
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a damaged checkpoint passed over at resume: folder, why
     STOPPED = "stopped"                        # a stop request honoured: epoch, step, reason

@@ -35,9 +35,9 @@ def csv_text(rows: list[dict], keys: list[str]) -> str:
     return out.getvalue()
 
 
-# Temporary folders of rank 0, named <prefix><pid>_<random> so that what a killed worker left is found:
-TB_PREFIX = "rj_tb_"      # TensorBoard's files before they are copied to object storage
-CKPT_PREFIX = "rj_ckpt_"  # a checkpoint being written before its upload
+# Rank 0's temporary folder for TensorBoard's files before they are copied to object storage, named
+# <prefix><pid>_<random> so that what a killed worker left is found:
+TB_PREFIX = "rj_tb_"
 
 
 class RunLog:
@@ -182,18 +182,12 @@ class RunLog:
             return None
 
 
-def temp_folder(prefix: str) -> tempfile.TemporaryDirectory:
-    """A temporary folder of this process that remove_stale_temp_folders() can tell is ours."""
-    return tempfile.TemporaryDirectory(prefix=f"{prefix}{os.getpid()}_")
-
-
 def remove_stale_temp_folders() -> None:
     """Temporary folders of ours whose process is gone (a killed worker left them)."""
     root = tempfile.gettempdir()
     for name in os.listdir(root):
-        prefix = next((p for p in (TB_PREFIX, CKPT_PREFIX) if name.startswith(p)), None)
-        if prefix is None:
+        if not name.startswith(TB_PREFIX):
             continue
-        pid = name[len(prefix):].split("_", 1)[0]
+        pid = name[len(TB_PREFIX):].split("_", 1)[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
