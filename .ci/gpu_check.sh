@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, prepared to run as is on the lent GPU machine (one H200) through the device tool,
+# The GPU check, prepared to run as is on the lent GPU machine (one H100 or H200) through the device tool,
 # in ONE call of at most 600 s (docs/development.md#the-gpu-check):
 #   printf '.whl/\n.data/\n' >> .git/info/exclude
 #   ../shared/device/make_kit.sh .whl && mkdir -p .data && cp ../shared/data/cifar10-jpeg.tar.xz .data/
@@ -8,7 +8,7 @@
 # gets at most what is left, and is skipped (logged) when less than its minimum is left. In order:
 #   bench_step   the raw-DDP baseline's pipeline vs our step vs under Ray, both stems, FLOP share (cap 150 s)
 #   vs_ddp       the baseline's loop and ours, under torchrun and Ray Train, 1 worker (the GPU)  (cap 150 s)
-#   checkpoints  steady img/s with a checkpoint every 10 steps: none vs sync vs async, stall   (cap 100 s)
+#   checkpoints  steady img/s with a checkpoint per CIFAR-10 epoch: none vs sync vs async, stall (cap 100 s)
 #   train_fast   --recipe fast on the CIFAR-10 JPEG copy, 1 GPU                             (cap 200 s)
 #   scale        1 vs 2 workers sharing the GPU (0.5 GPU each: gloo), 20 steps a point        (cap 120 s)
 #   bench_compile  CIFAR stem with torch.compile (last: the least needed)                     (cap 120 s)
@@ -60,9 +60,10 @@ run_vs_ddp() {
 run_checkpoints() {
   local t
   t=$(budget_for checkpoints 100 50) || return 0
+  # every 98 steps: one CIFAR-10 epoch (50,000 images) at batch 512; the last one 8 steps before the end
   log "bench checkpoints: none vs sync vs async, a local folder (up to ${t}s)"
   timeout "$t" python3 -m ray_job bench checkpoints --model resnet50 --stem cifar --batch-size 512 \
-    --steps 60 --every 10 --repeats 1 --storage /tmp/results/bench_ckpt --out "$OUT/checkpoints.json" \
+    --steps 302 --every 98 --repeats 1 --storage /tmp/results/bench_ckpt --out "$OUT/checkpoints.json" \
     2>&1 | tee "$OUT/checkpoints.txt" | tail -n 8
 }
 

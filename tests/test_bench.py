@@ -73,6 +73,7 @@ def test_bench_checkpoints_smallest_size_compares_the_three_modes_and_leaves_not
         assert r["steps"] == 6 and r["checkpoints"] == 2 and r["checkpoint_mib"] > 10  # resnet18 + momentum
         assert r["cpu_s"] > 0  # the writer's own CPU time, from the checkpoint_saved events
         assert r["vs_none"] == pytest.approx(r["images_per_s"] / runs["none"]["images_per_s"])
+    assert all(0 <= r["other_cpu_share"] <= 1 for r in runs.values())
     assert runs["async"]["reports"] == 2 and runs["async"]["stall_vs_sync"] is not None
     assert "stall ms" in proc.stdout and "async" in proc.stdout
     assert list((tmp_path / "ckpts").iterdir()) == []

@@ -6,8 +6,9 @@ step waits for serialisation, upload and check), and asynchronously (the default
 step waits only for a snapshot in host memory; the checkpointer of `train`, ray_job/train/
 checkpointer.py, uploads it in the background and it is reported once complete). It prints steady
 images/s of each against the run without checkpoints, the stall per checkpoint (the checkpoint
-step's time above the median step), and the CPU time the writer spent per checkpoint (serialising,
-hashing, writing: what it takes from training where they share the cores). A storage is a folder
+step's time above the median step), the CPU time the writer spent per checkpoint (serialising,
+hashing, writing: what it takes from training where they share the cores), and the share of the
+machine busy outside this process meanwhile (an S3 server on the same machine, other jobs). A storage is a folder
 or s3://BUCKET/PREFIX (the AWS variables as for `train --storage-path`); each run's folder there is
 removed once measured.
 
@@ -28,7 +29,7 @@ import torch
 from ..config import MODELS, STEMS
 from ..core.errors import UsageError
 from ..core.flags import option
-from .common import device_and_flags, fast_setup, machine
+from .common import device_and_flags, fast_setup, machine, machine_busy_s, own_usage
 
 MODES = ("none", "sync", "async")
 
@@ -88,7 +89,9 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
     ckpt = Checkpointer(store, ray.link(), True, files, 0.0, asynchronous=mode == "async")
     steps = EpochSteps(model, optimizer, constant_scheduler(optimizer), torch.nn.CrossEntropyLoss(), augment,
                        device, bf16)
-    times, marks, last = [], [], time.perf_counter()
+    times, marks = [], []
+    started = last = time.perf_counter()
+    busy, (own, _, _) = machine_busy_s(), own_usage()  # for the CPU used outside this process
     for step in steps.run(batches(), cfg.steps + cfg.warmup):
         if mode == "async" and ckpt.saved():  # what the step control does at its next poll
             ckpt.report_saved()
@@ -109,6 +112,9 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
     if not ckpt.idle():
         ckpt.wait()
         ckpt.report_saved()
+    wall = time.perf_counter() - started
+    other = None if busy is None else max(0.0, machine_busy_s() - busy - (own_usage()[0] - own)) / (
+        wall * (os.cpu_count() or 1))
     steps.finish()
     files.close()
     saved = [e for e in storage.read_jsonl(store.join("events.jsonl")) if e["event"] == "checkpoint_saved"]
@@ -122,7 +128,7 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
                 stall_s=statistics.mean(stalls) if stalls else 0.0,
                 upload_s=statistics.mean(e["upload_s"] for e in saved) if saved else None,
                 cpu_s=statistics.mean(e["cpu_s"] for e in saved) if saved else None,
-                checkpoint_mib=saved[0]["bytes"] / 2**20 if saved else None)
+                checkpoint_mib=saved[0]["bytes"] / 2**20 if saved else None, other_cpu_share=other)
 
 
 def main(cfg: CheckpointBenchConfig) -> dict:
@@ -151,7 +157,7 @@ def format_report(r: dict) -> str:
              f"{c['batch_size']}, {c['steps']} steps, a checkpoint every {c['every']}; load average "
              f"{r['load_avg'][0]:.2f}",
              f"{'storage':<34}{'mode':<7}{'img/s':>9}{'vs none':>9}{'stall ms':>10}{'vs sync':>9}"
-             f"{'upload s':>10}{'CPU s':>7}{'MiB':>7}{'saved':>7}"]
+             f"{'upload s':>10}{'CPU s':>7}{'MiB':>7}{'saved':>7}{'other CPU':>11}"]
     for x in r["runs"]:
         where = x["storage"] if len(x["storage"]) <= 33 else "..." + x["storage"][-30:]
         lines.append(f"{where:<34}{x['mode']:<7}{x['images_per_s']:>9.1f}{x['vs_none']:>9.1%}"
@@ -160,6 +166,9 @@ def format_report(r: dict) -> str:
                      f"{'-' if x['upload_s'] is None else format(x['upload_s'], '.2f'):>10}"
                      f"{'-' if x['cpu_s'] is None else format(x['cpu_s'], '.2f'):>7}"
                      f"{'-' if x['checkpoint_mib'] is None else format(x['checkpoint_mib'], '.0f'):>7}"
-                     f"{x['checkpoints']:>7}")
+                     f"{x['checkpoints']:>7}"
+                     f"{'-' if x['other_cpu_share'] is None else format(x['other_cpu_share'], '.1%'):>11}")
+    lines.append("CPU s: the writer's CPU time per checkpoint; other CPU: share of the machine busy outside this "
+                 "process (an S3 server on this machine, other jobs)")
     lines.append("targets: async keeps >= 98% of the images/s without checkpoints; its stall <= 10% of sync's")
     return "\n".join(lines)

@@ -87,6 +87,24 @@ def fast_setup(model_name: str, stem: str, batch: int, images: int, cuda: bool, 
     return model, optimizer, batches, DeviceAugment(device, channels_last), device, bf16
 
 
+def machine_busy_s() -> Optional[float]:
+    """CPU seconds this machine has been busy (all cores, all processes; Linux /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+
+
+def own_usage() -> tuple[float, float, int]:
+    """This process's CPU seconds (user + system), system seconds, and minor page faults so far."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, usage.ru_stime, usage.ru_minflt
+
+
 def machine(cuda: bool) -> str:
     import platform
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ..config import Speed
 from ..storage import read_json, write_json
-from .common import BaselineRecipe
+from .common import BaselineRecipe, machine_busy_s, own_usage
 
 
 LOOPS = ("baseline", "ours")
@@ -159,24 +159,6 @@ def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
         return run.finish()
     epoch.scratch = scratch  # removed when `epoch` is
     return epoch, speed.bf16
-
-
-def machine_busy_s() -> Optional[float]:
-    """CPU seconds this machine has been busy (all cores, all processes; Linux /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
-
-
-def own_usage() -> tuple[float, float, int]:
-    """This process's CPU seconds (user + system), system seconds, and minor page faults so far."""
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime, usage.ru_stime, usage.ru_minflt
 
 
 def run_loop(spec: RunSpec, place: Placement) -> Optional[dict]:

@@ -1,5 +1,5 @@
 """Asynchronous checkpoints: the step waits only for a snapshot of the training state in host
-memory; a thread writes, uploads and verifies it while training goes on.
+memory; a thread writes it into the run folder and verifies it while training goes on.
 
 `snapshot(state, into=previous)` copies every tensor off the live model and optimizer into host
 memory (pinned for a GPU's tensors, copied without blocking on the current stream; the thread waits
