@@ -16,7 +16,7 @@ import pyarrow.fs as pafs
 from .faults import StorageError, faults, reason
 from .s3 import S3Settings, s3_filesystem
 
-CHUNK = 64 * 2**20  # copy buffer for checkpoint uploads
+CHUNK = 64 * 2**20  # buffer for copies between stores (a folder moved on object storage, staging)
 
 
 CREDENTIAL_WORDS = ("secret", "key", "token", "password", "credential")
@@ -131,31 +131,13 @@ class Location:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.delete_file(self.path)
 
-    def upload_dir(self, local_dir: str) -> None:
-        """Copies a local folder here; a failed copy is removed (best effort), never left half."""
-        self.upload_files(local_dir, sorted(os.listdir(local_dir)))
-
-    def upload_files(self, local_dir: str, names: list[str]) -> None:
-        """Copies these files of a local folder into this folder, one after the other, in order;
-        if one fails, the folder is removed (best effort), never left half."""
-        try:
-            self.fs.create_dir(self.path, recursive=True)
-            for name in names:
-                # pyarrow's threaded uploads to S3 are unsafe (apache/arrow#32372), as Ray notes
-                pafs.copy_files(os.path.join(local_dir, name), self.join(name).path,
-                                source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs,
-                                chunk_size=CHUNK, use_threads=False)
-        except (OSError, pyarrow.ArrowException) as e:
-            with contextlib.suppress(OSError):
-                self.delete()
-            raise StorageError(f"cannot upload to {self.uri}: {reason(e)}") from None
-
     def move_to(self, dest: Location) -> None:
         """Renames a folder (local) or copies and deletes it (object stores have no rename)."""
         with faults("move", self):
             if self.is_local:
                 self.fs.move(self.path, dest.path)
                 return
+            # pyarrow's threaded copies to S3 are unsafe (apache/arrow#32372), as Ray notes
             pafs.copy_files(self.path, dest.path, source_filesystem=self.fs,
                             destination_filesystem=dest.fs, chunk_size=CHUNK, use_threads=False)
             self.fs.delete_dir(self.path)
