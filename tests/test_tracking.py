@@ -235,8 +235,10 @@ def test_credentials_never_go_into_the_flag_or_the_config(monkeypatch):
         parse_train_args(["--mlflow", "--mlflow-uri", "https://bob:hunter22@mlflow.example:5000"])
     assert "hunter22" not in str(e.value) and "bob" not in str(e.value)
     assert "https://mlflow.example:5000" in str(e.value) and "MLFLOW_TRACKING_PASSWORD" in str(e.value)
-    with pytest.raises(UsageError, match="need --mlflow"):
-        parse_train_args(["--mlflow-uri", "http://h:5000"])
+    named = parse_train_args(["--mlflow-uri", "http://h:5000"])  # a store named: tracking on
+    assert named.mlflow and named.mlflow_uri == "http://h:5000"
+    with pytest.raises(UsageError, match="--mlflow-register needs --mlflow"):
+        parse_train_args(["--mlflow-register", "m"])
     # MLflow's own variable may carry them: moved into MLflow's credential variables, the URI bare
     from ray_job.tracking.settings import Settings, resolve_uri
     env = {"MLFLOW_TRACKING_URI": "http://bob:hunter22@h:5000"}

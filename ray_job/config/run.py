@@ -223,9 +223,10 @@ class TrainConfig:
             raise UsageError(f"--mlflow-uri {split_userinfo(self.mlflow_uri)[0]} holds a user name (and "
                              f"password), which would show in logs and process lists; give the bare URI and "
                              f"set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)")
-        given = [f"--{flag_name(n)}" for n in ("mlflow_uri", "mlflow_register") if getattr(self, n)]
-        if given and not self.mlflow:
-            raise UsageError(f"{' and '.join(given)} need --mlflow (tracking is off without it)")
+        if self.mlflow_uri and not self.mlflow:  # naming a tracking store asks for tracking
+            object.__setattr__(self, "mlflow", True)
+        if self.mlflow_register and not self.mlflow:
+            raise UsageError("--mlflow-register needs --mlflow (or --mlflow-uri): tracking is off without it")
 
     # Derived values: computed, never stored, so a dict round-trip cannot make them stale.
     def per_worker_batch(self, world_size: int) -> int:
@@ -235,6 +236,11 @@ class TrainConfig:
             raise UsageError(f"--batch-size {self.batch_size} (global) is smaller than the "
                              f"{world_size} workers; raise it or use --batch-mode per-worker")
         return self.batch_size // world_size
+
+    @property
+    def gpus_in_use(self) -> float:
+        """GPUs each worker holds: --gpus-per-worker when the run trains on GPUs, else none."""
+        return self.gpus_per_worker if self.use_gpu else 0
 
     def global_batch(self, world_size: int) -> int:
         return self.per_worker_batch(world_size) * world_size

@@ -127,6 +127,13 @@ class Lease:
                     log.warning("cannot refresh the run folder's lease (%s); trying again", e)
                 failing = True
 
+    def __enter__(self) -> Lease:
+        self.take()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.give_back()
+
     def give_back(self) -> None:
         self._done.set()
         if self._thread is not None:
