@@ -12,7 +12,7 @@ below it (tests/test_layers.py reads every import and fails on a cycle or an imp
   model     ResNets, optimizer, LR schedule
   tracking  experiment tracking (MLflow)
   train     the driver, the per-worker loop, the checkpointer, step control, the run log
-  scale     the scaling sweep and its model
+  scale     the scaling sweep
   tune      hyperparameter search with Ray Tune
   peers     the raw-DDP baseline (what users would run instead)
   bench     benchmarks

@@ -109,18 +109,3 @@ def test_private_ray_apis_go_through_one_module():
 def test_modules_stay_small():
     big = {name: n for name, path in modules().items() if (n := len(open(path).readlines())) > MAX_LINES}
     assert not big, big
-
-
-def test_the_predict_path_imports_no_ray():
-    """`scale predict` runs on paper: its modules import neither Ray nor the train layer's Ray parts."""
-    for name in ("ray_job.scale.commmodel", "ray_job.scale.common", "ray_job.scale.report",
-                 "ray_job.scale.predict"):
-        seen, todo = set(), [name]
-        while todo:
-            mod = todo.pop()
-            if mod in seen:
-                continue
-            seen.add(mod)
-            todo += [m for m in imports(mod, modules()[mod]) if m.startswith("ray_job")]
-        rays = {m for mod in seen for m in imports(mod, modules()[mod]) if m.split(".")[0] == "ray"}
-        assert not rays, (name, rays)

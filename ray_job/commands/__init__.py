@@ -16,7 +16,7 @@ commands:
   prepare-data  download CIFAR-10 (--data-dir), or convert CIFAR-10 / an image folder into a
                 prepared dataset (--from cifar10|imagefolder --src DIR --out DIR)
   scale         scaling: `scale sweep` runs the trainer for several --workers counts and reports
-                speedup and efficiency; `scale predict` projects on paper
+                speedup and efficiency
   bench         measurements: bench step | data-path | vs-ddp | race | checkpoints
 
 `python -m ray_job COMMAND --help` lists a command's flags with their defaults."""

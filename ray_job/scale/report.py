@@ -36,8 +36,8 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def _fmt(value: Optional[float], spec: str, scale: float = 1.0, suffix: str = "") -> str:
-    return "" if _missing(value) else format(value * scale, spec) + suffix
+def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
+    return "" if _missing(value) else format(value * scale, spec)
 
 
 def _ms(value: Optional[float]) -> str:
@@ -50,8 +50,7 @@ def load_text(cluster: dict) -> str:
 
 
 HEAD = ["mode", "N", "global batch", "steps", "train s", "wall s", "1st step s", "img/s", "step ms",
-        "data ms", "compute ms", "comm wait ms", "optim ms", "speedup", "efficiency", "model step ms",
-        "model comm wait ms", "model efficiency", "model error"]
+        "data ms", "compute ms", "comm wait ms", "optim ms", "speedup", "efficiency"]
 
 
 def table_cells(r: dict) -> list[str]:
@@ -60,13 +59,11 @@ def table_cells(r: dict) -> list[str]:
             _fmt(r["train_s"], ".1f"), _fmt(r["wall_s"], ".1f"), _fmt(r["time_to_first_step_s"], ".1f"),
             _fmt(r["steady_images_per_s"], ".0f"), _ms(r["step_s"]), _ms(r["data_s_per_step"]),
             _ms(r["compute_s_per_step"]), _ms(r["comm_wait_s_per_step"]), _ms(r["optim_s_per_step"]),
-            _fmt(r["speedup"], ".2f"), _fmt(r["efficiency"], ".2f"), _ms(r["pred_step_s"]),
-            _ms(r["pred_exposed_comm_s"]), _fmt(r["pred_efficiency"], ".2f"),
-            _fmt(r["pred_step_error_pct"], "+.0f", suffix="%")]
+            _fmt(r["speedup"], ".2f"), _fmt(r["efficiency"], ".2f")]
 
 
 def markdown(sweep: dict) -> str:
-    link, cl = sweep["model"]["link"], sweep["cluster"]
+    cl = sweep["cluster"]
     lines = [f"# Scaling sweep `{sweep['sweep']}`", "",
              f"{sweep['date']} on {sweep['host']} ({cl['nodes']} node(s), {cl['cpus']:g} CPUs, "
              f"{cl['gpus']:g} GPUs; driver host load {load_text(cl)})  ", f"`{sweep['command']}`", "",
@@ -79,12 +76,9 @@ def markdown(sweep: dict) -> str:
     for r in sweep["rows"]:
         if r["status"] != "ok":
             lines.append(f"\n{r['mode']} {r['workers']} worker(s) {r['status']}: {r['reason']}")
-    lines += ["", f"Speedup = steady img/s / 1 worker's (same mode); efficiency = speedup / N. Step "
-              f"split: mean ms per step on rank 0; comm wait = DDP backward with minus without "
-              f"gradient sync. Model: ring all-reduce on {link['name']} ({link['bandwidth_gbps']:g} "
-              f"Gbit/s, {link['latency_us']:g} us; {link['note']}), overlap with backward "
-              f"{'on' if sweep['model']['overlap'] else 'off'}; model error = (model - measured) / "
-              f"measured step time. Empty cells: not measured."]
+    lines += ["", "Speedup = steady img/s / 1 worker's (same mode); efficiency = speedup / N. Step "
+              "split: mean ms per step on rank 0; comm wait = DDP backward with minus without "
+              "gradient sync. Empty cells: not measured."]
     return "\n".join(lines)
 
 
@@ -110,10 +104,7 @@ def plot(sweep: dict, path: Any) -> None:
         ax_t.plot(*_points(pts, "train_s"), "o-", color=colour, label=f"{mode}: training")
         ax_t.plot(*_points(pts, "wall_s"), "s--", color=colour, alpha=0.5,
                   label=f"{mode}: wall (Ray start, eval)")
-        ax_e.plot(*_points(pts, "efficiency"), "o-", color=colour, label=f"{mode}: measured")
-        pred = _points(pts, "pred_efficiency")
-        if pred[0]:
-            ax_e.plot(*pred, ":", color=colour, label=f"{mode}: model")
+        ax_e.plot(*_points(pts, "efficiency"), "o-", color=colour, label=mode)
     ax_e.axhline(1.0, color="grey", lw=0.8)
     ax_t.set(xlabel="workers", ylabel="seconds", title="time for the fixed work")
     ax_e.set(xlabel="workers", ylabel="speedup / workers", title="scaling efficiency", ylim=(0, 1.2))

@@ -1,8 +1,12 @@
 """The sweep on a Ray cluster: one real `train` run per (mode, worker count), then the report.
 
 Each point is a run in <sweep>/<mode>_w<N>/ (the 1-worker run, w1, is shared: strong and weak are the
-same job there). A finished point is reused when the same sweep runs again (a requeued SLURM job);
-a count the cluster cannot hold is a `skipped` row with the reason.
+same job there), run by `train`'s own run_training. A finished point is reused when the same sweep
+runs again (a requeued SLURM job, or the same command: its default name is the same); a count the
+cluster cannot hold is a `skipped` row with the reason.
+
+The train flags of every point: `point_config` (the sweep's config with the point's folder, worker
+count and batch rule); the fixed amount of work per point is scale/common.py's SCALE_DEFAULTS.
 """
 
 from __future__ import annotations
@@ -15,60 +19,44 @@ import shlex
 import time
 from typing import Any, Optional
 
-from .. import storage, tracking
+from .. import storage
 from ..config import TrainConfig, choose_use_gpu
 from ..core.errors import UsageError
 from ..core.exits import ExitCode, is_stop
 from ..storage import read_json
 from ..train import stop, tracked
-from ..train.driver import check_storage, run_training, with_default_name
+from ..train.driver import make_way, open_folder, preflight, run_training
 from ..train.metrics import EpochMetrics
-from ..train.runfiles import CONFIG_JSON, SUMMARY_JSON
-from ..train.summary import finished_summary
-from ..train.trainer import backend, connect
-from . import commmodel
+from ..train.runfiles import SUMMARY_JSON
+from ..train.trainer import connect
 from .common import COLUMNS, MODES, SCALING_CSV, SCALING_JSON, SCALING_MD, SCALING_PNG, ScaleOptions
 from .report import write_outputs
 
 log = logging.getLogger("ray_job.scale")
 
 
-def run_sweep(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Link],
-              argv: list[str]) -> int:
-    """The whole sweep; `link` None means --link auto (chosen once the cluster is known)."""
-    cfg = with_default_name(cfg.with_resolved_paths())  # before any point config is built
-    check_storage(cfg)
-    cfg = tracking.check(cfg)  # --mlflow: the store reached; every point is tracked at this URI
-    sweep_dir = cfg.run_dir()
-    try:
-        storage.at(sweep_dir).makedirs()
-        stop.clear(sweep_dir)
-    except storage.StorageError as e:
-        raise UsageError(str(e)) from None
+def run_sweep(opts: ScaleOptions, cfg: TrainConfig, argv: list[str]) -> int:
+    """The whole sweep: the points, then the report; the exit code."""
+    cfg = preflight(cfg)  # paths resolved and storage checked before any point config is built
+    sweep_dir = open_folder(cfg.run_dir()).uri  # without a requeued sweep's stop request
     with stop.stop_on_signals(sweep_dir) as signals:  # USR1 (SLURM's time limit), Ctrl-C, SIGTERM
-        return sweep_points(opts, cfg, link, argv, sweep_dir, signals)
+        return sweep_points(opts, cfg, argv, sweep_dir, signals)
 
 
-def sweep_points(opts: ScaleOptions, cfg: TrainConfig, link: Optional[commmodel.Link], argv: list[str],
-                 sweep_dir: str, signals: stop.Signals) -> int:
+def sweep_points(opts: ScaleOptions, cfg: TrainConfig, argv: list[str], sweep_dir: str,
+                 signals: stop.Signals) -> int:
     connect(cfg)
     cluster = cluster_info()
     cfg = dataclasses.replace(cfg, use_gpu=choose_use_gpu(cfg.use_gpu, cluster["gpus"]))
-    link = link or auto_link(cluster, cfg, opts)
-    overlap = opts.overlap if opts.overlap is not None else bool(cfg.use_gpu)
     load_before = os.getloadavg()[0]
     parent = tracked.open_parent(cfg, sweep_dir, "scale sweep", {**cfg.to_dict(), **dataclasses.asdict(opts)})
     rows = measure_all(cfg, sweep_dir, opts.modes, opts.counts, parent.run_id if parent else None)
     # Other jobs on the driver's host skew the timings: keep the load beside them.
     cluster["driver_host_load_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-    profile = profile_from_baseline(rows[0], cfg)
-    add_speedups_and_predictions(rows, profile, link, overlap, cfg)
+    add_speedups(rows)
     sweep = dict(sweep=cfg.name, sweep_dir=sweep_dir, date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
                  command="python -m ray_job scale " + shlex.join(argv), host=platform.node(),
-                 cluster=cluster, config=cfg.to_dict(), rows=rows,
-                 model=dict(link=dataclasses.asdict(link), overlap=overlap,
-                            backward_fraction=commmodel.BACKWARD_FRACTION,
-                            profile=profile.to_dict() if profile else None))
+                 cluster=cluster, config=cfg.to_dict(), rows=rows)
     print(write_outputs(sweep))
     print(f"scaling results: {sweep_dir}/{{{SCALING_CSV},{SCALING_JSON},{SCALING_MD},{SCALING_PNG}}}")
     rc = exit_code(rows, signals)
@@ -113,17 +101,6 @@ def cluster_info() -> dict:
     return dict(nodes=len(nodes), cpus=res.get("CPU", 0), gpus=res.get("GPU", 0))
 
 
-def auto_link(cluster: dict, cfg: TrainConfig, opts: ScaleOptions) -> commmodel.Link:
-    """--link auto: ib across nodes, nvlink between GPUs with NCCL, else gloo's loopback."""
-    if cluster["nodes"] > 1:
-        name = "ib"
-    elif cfg.use_gpu and backend(cfg) != "gloo":
-        name = "nvlink"
-    else:
-        name = "loopback"
-    return commmodel.make_link(name, opts.bandwidth_gbps, opts.latency_us)
-
-
 def point_config(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> TrainConfig:
     if workers == 1:  # the same job in every mode, so any later sweep of either mode reuses it
         return dataclasses.replace(cfg, storage_path=sweep_dir, num_workers=1, name="w1",
@@ -137,7 +114,8 @@ def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int,
     """Runs one point; a count that cannot run is a row with status skipped/failed and the reason."""
     point = point_config(cfg, sweep_dir, mode, workers)
     row: dict[str, Any] = dict(mode=mode, workers=workers, status="ok", reason="", run=point.name)
-    if finished_point(point):
+    # an unfinished point is run again from its start: resumed, it would time only part of the work
+    if make_way(point, resume=False, refuse_other=True):
         row["reason"] = "reused: finished by an earlier run of this sweep"
     try:
         with stop.forward(sweep_dir, point.run_dir()):
@@ -153,29 +131,6 @@ def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int,
     if rc != 0:
         return {**row, "status": "failed", "reason": f"train exited with {rc}; see {point.run_dir()}"}
     return {**row, **measurements(point)}
-
-
-def finished_point(point: TrainConfig) -> bool:
-    """True when this point already finished with the same flags (a requeued or repeated sweep).
-
-    An unfinished point folder is moved aside: resuming it would time only part of the work.
-    """
-    d = storage.at(point.run_dir())
-    if not d.is_dir():
-        return False
-    if finished_summary(point) is not None:
-        # the fields that change what a point computes (`affects_result`); the address changes with
-        # every SLURM job, how long to wait or how often to checkpoint changes nothing measured
-        wanted = point.result_fields()
-        saved = read_json(d.join(CONFIG_JSON))
-        if {k: saved.get(k) for k in wanted} != wanted:
-            raise UsageError(f"{d.uri} holds a finished point run with other flags; use a new --name")
-        return True
-    aside = storage.at(f"{d.uri}.interrupted-{time.strftime('%Y%m%d_%H%M%S')}", near=d)
-    log.warning("scale: moving the unfinished point %s aside to %s and running it again", d.uri,
-                aside.uri)
-    d.move_to(aside)
-    return False
 
 
 def measurements(point: TrainConfig) -> dict:
@@ -198,36 +153,12 @@ def measurements(point: TrainConfig) -> dict:
                 grad_bytes=m.grad_bytes)
 
 
-def profile_from_baseline(row: dict, cfg: TrainConfig) -> Optional[commmodel.StepProfile]:
-    """The model's single-worker step: the 1-worker run's split, scaled to its steady step time."""
-    if row["status"] != "ok":
-        return None
-    parts = row["data_s_per_step"], row["compute_s_per_step"], row["optim_s_per_step"]
-    k = row["step_s"] / sum(parts)  # the split is a mean over all steps; step_s skips the first
-    nbytes = row["grad_bytes"] * (0.5 if cfg.grad_compression == "bf16" else 1.0)
-    return commmodel.StepProfile(batch=row["per_worker_batch"], data_s=parts[0] * k,
-                                 fwd_bwd_s=parts[1] * k, optim_s=parts[2] * k, grad_bytes=int(nbytes),
-                                 bucket_bytes=cfg.ddp_bucket_mb * 2**20,
-                                 source=f"1-worker run {row['run']}: steady step "
-                                 f"{row['step_s'] * 1e3:.1f} ms at batch {row['per_worker_batch']}")
-
-
-def add_speedups_and_predictions(rows: list[dict], profile: Optional[commmodel.StepProfile],
-                                 link: commmodel.Link, overlap: bool, cfg: TrainConfig) -> None:
+def add_speedups(rows: list[dict]) -> None:
     """Speedup = steady images/s against 1 worker in the same mode; efficiency = speedup / N."""
     base = {r["mode"]: r for r in rows if r["workers"] == 1 and r["status"] == "ok"}
     for r in rows:
         for key in COLUMNS:
             r.setdefault(key, None)
-        if r["status"] != "ok" or r["mode"] not in base:
-            continue
-        r["speedup"] = r["steady_images_per_s"] / base[r["mode"]]["steady_images_per_s"]
-        r["efficiency"] = r["speedup"] / r["workers"]
-        if profile is None:
-            continue
-        p = commmodel.predict(profile, link, r["workers"], r["mode"], cfg.batch_size, overlap)
-        if p is None:
-            continue
-        r.update(pred_comm_s=p.comm_s, pred_exposed_comm_s=p.exposed_comm_s, pred_step_s=p.step_s,
-                 pred_efficiency=p.efficiency,
-                 pred_step_error_pct=100 * (p.step_s - r["step_s"]) / r["step_s"])
+        if r["status"] == "ok" and r["mode"] in base:
+            r["speedup"] = r["steady_images_per_s"] / base[r["mode"]]["steady_images_per_s"]
+            r["efficiency"] = r["speedup"] / r["workers"]
