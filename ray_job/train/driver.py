@@ -13,23 +13,31 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Optional
 
 from .. import storage, tracking
 from ..cluster import raypriv
 from ..config import TrainConfig
+from ..config.run import UNREAD_BY_DATA
 from ..core.errors import UsageError
 from ..core.exits import ExitCode
 from ..core.flags import flag_name
 from ..core.paths import is_uri
 from ..data.datasets import check_data
 from ..storage import StorageError
+from ..storage.lease import Lease
 from . import stop, tracked
 from .checkpoint import load_checkpoint
+from .checkpointer import Checkpointer
 from .runfiles import CONFIG_JSON
-from .summary import finished_summary, latest_checkpoint, summary_table, write_summary
-from .trainer import BelowMinimum, build_trainer, connect, missing_resources, resolve_workers
+from .summary import (aborted, announce_finished, finished_summary, resources_lost, storage_failed,
+                      summary_table, write_summary)
+from .trainer import BelowMinimum, build_trainer, connect, resolve_workers
+
+log = logging.getLogger("ray_job.driver")
 
 
 def with_default_name(cfg: TrainConfig) -> TrainConfig:
@@ -97,99 +105,129 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
 
 
 def run_training(cfg: TrainConfig, parent_id: Optional[str] = None) -> int:
-    """`python -m ray_job train`: the whole run, from the checks to the summary; the exit code.
-    `parent_id`: the MLflow run of a sweep or search this run belongs to (with --mlflow).
-
-    The run folder's lease is taken before anything else is written there (one writer per run
-    folder), and from then until the end SIGUSR1, Ctrl-C and SIGTERM are stop requests (stop.py);
-    a second Ctrl-C or SIGTERM aborts at once."""
+    """`python -m ray_job train` (and each point of a scaling sweep): the whole run, from the checks
+    to the summary; the exit code. `parent_id`: the MLflow run of a sweep this run belongs to.
+    From the lease on, SIGUSR1, Ctrl-C and SIGTERM are stop requests (stop.py); a second Ctrl-C or
+    SIGTERM aborts at once."""
     started = time.time()
     cfg = preflight(cfg)
     if announce_finished(cfg):
         tracked.complete_finished(cfg)
         return ExitCode.DONE
-    with run_lease(cfg):
-        open_run_folder(cfg)
-        with stop.stop_on_signals(storage.at(cfg.run_dir())) as signals:
-            try:
-                connect(cfg)
-                cfg = start_run(cfg)
+    return run_in_folder(cfg, started, stop.stop_on_signals, parent_id=parent_id, show_config=True)
+
+
+def run_in_folder(cfg: TrainConfig, started: float, stopping: Callable[[str], AbstractContextManager[Any]],
+                  parent_id: Optional[str] = None, command: str = "train", callbacks: Sequence[Any] = (),
+                  tags: Callable[[int], dict] = lambda rc: {}, show_config: bool = False) -> int:
+    """One run's lifecycle, the same for `train`, a sweep's point and a search's trial: the run
+    folder taken (its lease) and opened -> stop requests watched -> the workers decided and
+    config.json written -> its MLflow run (--mlflow) -> fit and summary -> the MLflow run completed
+    (with `tags(exit code)`); the exit code.
+
+    `stopping(run_dir)`: a context that yields what fit_and_summarise asks of stop.Signals (train:
+    stop.stop_on_signals; a trial: the search's request forwarded). `parent_id`, `command`: the
+    MLflow run's parent and the command it is tagged with; `callbacks`: more Ray Train callbacks."""
+    with run_folder(cfg), stopping(cfg.run_dir()) as signals:
+        try:
+            connect(cfg)
+            cfg = start_run(cfg)
+            if show_config:
                 print("config:\n" + cfg.to_json(), flush=True)
-                return tracked_fit(cfg, started, signals, parent_id)
-            except KeyboardInterrupt:
-                return aborted(cfg, started, signals)
+            return tracked_fit(cfg, started, signals, parent_id, command, callbacks, tags)
+        except KeyboardInterrupt:
+            if not isinstance(signals, stop.Signals):  # not this run's own terminal
+                raise
+            return aborted(cfg, started, signals)
 
 
-def tracked_fit(cfg: TrainConfig, started: float, signals: stop.Signals, parent_id: Optional[str]) -> int:
+def tracked_fit(cfg: TrainConfig, started: float, signals: Any, parent_id: Optional[str], command: str,
+                callbacks: Sequence[Any], tags: Callable[[int], dict]) -> int:
     """fit_and_summarise, with its MLflow run (--mlflow) opened before and completed after."""
-    tracking = tracked.start(cfg, parent_id)
+    tracking = tracked.start(cfg, parent_id, command)
     if tracking is None:
-        return fit_and_summarise(cfg, started, signals=signals)
+        return fit_and_summarise(cfg, started, callbacks, signals)
     try:
-        rc = fit_and_summarise(cfg, started, callbacks=tracking.callbacks(), signals=signals)
+        rc = fit_and_summarise(cfg, started, [*callbacks, *tracking.callbacks()], signals)
     except KeyboardInterrupt:  # aborted: no waiting for the store; the next run continues it
         raise
     except BaseException:
         tracking.finish(ExitCode.FAILED)
         raise
-    tracking.finish(rc)
+    tracking.finish(rc, tags(rc))
     return rc
 
 
 @contextlib.contextmanager
-def run_lease(cfg: TrainConfig):
-    """This run holds its folder's lease (storage/lease.py) while the block runs."""
-    from ..storage.lease import Lease
+def run_folder(cfg: TrainConfig) -> Iterator[storage.Location]:
+    """The run folder, made once and held by this run (its lease, storage/lease.py) while the block
+    runs, without the stop request a previous (requeued) run left (cleared once the folder is ours)."""
+    run_dir = open_folder(cfg.run_dir(), clear_stop=False)
+    with Lease(run_dir):
+        open_folder(run_dir, make=False)
+        yield run_dir
 
-    run_dir = storage.at(cfg.run_dir())
+
+def open_folder(where: storage.Where, clear_stop: bool = True, make: bool = True) -> storage.Location:
+    """A run's, a sweep's or a search's folder, made, without a previous (requeued) stop request."""
+    folder = storage.at(where)
     try:
-        run_dir.makedirs()
+        if make:
+            folder.makedirs()
+        if clear_stop:
+            stop.clear(folder)
     except StorageError as e:
         raise UsageError(str(e)) from None
-    lease = Lease(run_dir)
-    lease.take()
-    try:
-        yield lease
-    finally:
-        lease.give_back()
-
-
-def announce_finished(cfg: TrainConfig) -> bool:
-    """Says so when this run already finished its epochs (the same command run again)."""
-    done = finished_summary(cfg)
-    if done is not None:
-        best = done.get("best_test_acc")
-        print(f"run {cfg.name!r} already finished {done['epochs_completed']} epochs (best test "
-              f"accuracy {'-' if best is None else f'{best:.4f}'}); results in {cfg.run_dir()}. Use "
-              f"a new --name, or more --epochs to continue it.")
-    return done is not None
-
-
-def open_run_folder(cfg: TrainConfig) -> None:
-    """The run folder exists, without the stop request a previous (requeued) run left."""
-    run_dir = storage.at(cfg.run_dir())
-    try:
-        run_dir.makedirs()
-        stop.clear(run_dir)
-    except StorageError as e:
-        raise UsageError(str(e)) from None
+    return folder
 
 
 def start_run(cfg: TrainConfig) -> TrainConfig:
     """On a connected cluster: the workers decided and checked, config.json written."""
-    run_dir = storage.at(cfg.run_dir())
     cfg = resolve_workers(cfg)
     for world in {cfg.min_workers or cfg.num_workers, cfg.num_workers}:  # every size it may run at
         check_sizes(cfg, world)
     try:
-        storage.write_json(run_dir.join(CONFIG_JSON), cfg.to_dict())
+        storage.write_json(storage.at(cfg.run_dir()).join(CONFIG_JSON), cfg.to_dict())
     except StorageError as e:
         raise UsageError(str(e)) from None
     return cfg
 
 
+def same_run(cfg: TrainConfig, saved: dict) -> bool:
+    """A run's saved config.json holds what `cfg` computes: every field that changes a result
+    (`affects_result`) but where the run is written, its name, and what this --data does not read."""
+    unread = {"name", "storage_path", *UNREAD_BY_DATA[cfg.data]}
+    wanted = {k: v for k, v in cfg.result_fields().items() if k not in unread}
+    return {k: saved.get(k) for k in wanted} == wanted
+
+
+def make_way(cfg: TrainConfig, resume: bool, refuse_other: bool) -> bool:
+    """The run folder made fit for `cfg` before it runs there; True when it holds this run finished.
+    A folder of another config is moved aside (`refuse_other`: a finished one is refused instead);
+    this run unfinished is continued (`resume`) or moved aside (a sweep's point, whose timings must
+    cover the whole run)."""
+    folder = storage.at(cfg.run_dir())
+    try:
+        saved = storage.read_json(folder.join(CONFIG_JSON))
+    except FileNotFoundError:
+        return False
+    except (StorageError, ValueError) as e:
+        raise UsageError(f"cannot read {folder.join(CONFIG_JSON).uri}: {e}") from None
+    same, finished = same_run(cfg, saved), finished_summary(cfg) is not None
+    if same and (finished or resume):
+        return finished
+    if finished and refuse_other:
+        raise UsageError(f"{folder.uri} holds a finished run with other flags; use a new --name")
+    aside = storage.at(f"{folder.uri}.{'interrupted' if same else 'other'}-{time.strftime('%Y%m%d_%H%M%S')}",
+                       near=folder)
+    log.warning("%s holds %s; moving it aside to %s", folder.uri,
+                "an unfinished run" if same else "a run with other flags", aside.uri)
+    folder.move_to(aside)
+    return False
+
+
 def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any] = (),
-                      signals: Optional[stop.Signals] = None) -> int:
+                      signals: Any = None) -> int:
     """Trains (TorchTrainer.fit, with Ray Train `callbacks`) and writes the summary; the exit code
     (a stop request's: `signals` says which)."""
     from ray.train import TrainingFailedError
@@ -216,7 +254,9 @@ def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any]
     if outcome.get("usage_error"):  # bad input that only the workers could see: exit 2, one line
         raise UsageError(outcome["usage_error"])
     root = storage.at(cfg.storage_path)
-    best = result.get_best_checkpoint("test_acc", "max") if result.best_checkpoints else None
+    kept = Checkpointer.retention(cfg.keep_checkpoints)  # the best by the metric that keeps them
+    best = (result.get_best_checkpoint(kept["checkpoint_score_attribute"], kept["checkpoint_score_order"])
+            if result.best_checkpoints else None)
     best, latest = (root.at_path(c.path).uri if c else None for c in (best, result.checkpoint))
     if outcome.get("storage_error"):
         return storage_failed(cfg, started, outcome["storage_error"], latest)
@@ -267,43 +307,3 @@ def fit(trainer, watch=None, every_s: float = 5.0):
     if "error" in box:
         raise box["error"]
     return box["result"]
-
-
-def aborted(cfg: TrainConfig, started: float, signals: stop.Signals) -> int:
-    """A second Ctrl-C or SIGTERM: no waiting for the checkpoint at the current step; the workers
-    end with this driver, and the last complete checkpoint stays the one to continue from."""
-    import ray
-
-    latest = latest_checkpoint(cfg)
-    with contextlib.suppress(StorageError):
-        write_summary(cfg, started, finished=False, stopped=f"{signals.reason}, aborted", latest_checkpoint=latest)
-    ray.shutdown()
-    saved = f"the last complete checkpoint is {latest}" if latest else "no checkpoint was complete yet"
-    print(f"error: aborted by a second {signals.reason} without a new checkpoint; {saved}. Run the same "
-          f"command again to continue from it.", file=sys.stderr)
-    return signals.exit_code
-
-
-def resources_lost(cfg: TrainConfig, started: float) -> int:
-    """The workers did not fit for --resource-wait-s (a node lost, or the cluster busy): say what
-    is missing and exit NO_RESOURCES (5); the checkpoints saved so far stay, nothing new is."""
-    missing = missing_resources(cfg)
-    latest = latest_checkpoint(cfg)
-    with contextlib.suppress(StorageError):
-        write_summary(cfg, started, finished=False, latest_checkpoint=latest,
-                      error=f"no resources for {cfg.resource_wait_s:g} s: {missing}")
-    saved = f"last checkpoint: {latest}" if latest else "no checkpoint yet"
-    print(f"error: waited {cfg.resource_wait_s:g} s (--resource-wait-s) for the workers: {missing}. "
-          f"Nothing new was saved ({saved}); run the same command when the nodes are back (under "
-          f"SLURM the job is requeued), or use --min-workers to go on with fewer", file=sys.stderr)
-    return ExitCode.NO_RESOURCES
-
-
-def storage_failed(cfg: TrainConfig, started: float, error: str, latest: Optional[str]) -> int:
-    """The storage failed at the end (after --retry-storage-s): say what was saved, exit 1."""
-    with contextlib.suppress(StorageError):
-        write_summary(cfg, started, finished=False, error=error, latest_checkpoint=latest)
-    saved = f"Last checkpoint saved: {latest}" if latest else "Ray keeps the last checkpoint it recorded"
-    print(f"error: storage failed: {error}. {saved}; once the storage works again, run the same "
-          f"command: it continues from there", file=sys.stderr)
-    return ExitCode.FAILED

@@ -1,9 +1,9 @@
-"""Experiment tracking of `train` runs (ray_job.tracking, MLflow), used by the driver, the scaling
-sweep's points and Tune's trials alike:
+"""Experiment tracking of `train` runs (ray_job.tracking, MLflow), used by the run lifecycle
+(driver.run_in_folder) of `train`, the scaling sweep's points and Tune's trials alike:
 
     cfg = tracking.check(cfg)                      # preflight: exit 2 in seconds if the store fails
     t = tracked.start(cfg, parent_id=...)          # the MLflow run (new or continued); None w/o --mlflow
-    rc = fit_and_summarise(cfg, started, callbacks=[*t.callbacks()] if t else [])
+    rc = fit_and_summarise(cfg, started, [*t.callbacks()] if t else [])
     t.finish(rc)                                   # catch-up, files, model, status; never raises
 
 Everything the MLflow run gets at the end comes from the run folder (metrics.jsonl, config.json,
@@ -103,13 +103,18 @@ def complete_finished(cfg: TrainConfig) -> None:
         tracking.finish(ExitCode.DONE)
 
 
+def mlflow_status(exit_code: int) -> str:
+    """An MLflow run's end status, from the exit code of what it tracked."""
+    return "FINISHED" if exit_code == ExitCode.DONE else "KILLED" if is_stop(exit_code) else "FAILED"
+
+
 def sync(cfg: TrainConfig, run, exit_code: int) -> str:
     """The epochs the store lacks, the run files, the model when finished, and the status."""
     run_dir = storage.at(cfg.run_dir())
     caught_up = run.log_epochs([r.to_dict() for r in read_metrics(run_dir.join(METRICS_JSONL))])
     files = {name: run_dir.join(name).read_bytes() for name in FILES if run_dir.join(name).exists()}
     run.log_files(files)
-    status = "FINISHED" if exit_code == ExitCode.DONE else "KILLED" if is_stop(exit_code) else "FAILED"
+    status = mlflow_status(exit_code)
     model_uri = log_best_model(cfg, run) if status == "FINISHED" else None
     run.finish(status, model_uri=model_uri)
     done = [f"{caught_up} epoch(s) caught up" if caught_up else "", ", ".join(sorted(files)),
@@ -171,7 +176,7 @@ def finish_parent(parent, folder: str, names: tuple, exit_code: int) -> None:
     """The sweep's (search's) files `names` in `folder` and its status; one warning if it fails."""
     if parent is None:
         return
-    status = "FINISHED" if exit_code == ExitCode.DONE else "KILLED" if is_stop(exit_code) else "FAILED"
+    status = mlflow_status(exit_code)
     started = time.monotonic()
     try:
         where = storage.at(folder)

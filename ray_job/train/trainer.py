@@ -76,17 +76,15 @@ def resolve_workers(cfg: TrainConfig) -> TrainConfig:
     total_gpus = ray.cluster_resources().get("GPU", 0)
     use_gpu = choose_use_gpu(cfg.use_gpu, total_gpus)
     num_workers = cfg.num_workers or (int(total_gpus // cfg.gpus_per_worker) if use_gpu else 1)
-    gpus = cfg.gpus_per_worker if use_gpu else 0
-    if cfg.min_workers > num_workers:
-        raise UsageError(f"--min-workers {cfg.min_workers} is more than the {num_workers} workers "
-                         f"of this run; give --min-workers <= --num-workers")
-    fits = workers_that_fit(cfg.cpus_per_worker, gpus)
+    # the config checks --min-workers against the workers decided here (TrainConfig.__post_init__)
+    cfg = dataclasses.replace(cfg, use_gpu=use_gpu, num_workers=num_workers)
+    fits = workers_that_fit(cfg.cpus_per_worker, cfg.gpus_in_use)
     need, flag = (cfg.min_workers, "--min-workers") if cfg.min_workers else (num_workers, "--num-workers")
     if need > fits:
         raise UsageError(f"{flag} {need} cannot fit: the cluster holds at most {fits} "
-                         f"worker(s) of {worker_size(cfg.cpus_per_worker, gpus)} each; lower "
+                         f"worker(s) of {worker_size(cfg.cpus_per_worker, cfg.gpus_in_use)} each; lower "
                          f"{flag} or --cpus-per-worker, or add nodes")
-    return dataclasses.replace(cfg, use_gpu=use_gpu, num_workers=num_workers)
+    return cfg
 
 
 def worker_size(cpus: float, gpus: float) -> str:
@@ -97,7 +95,7 @@ def missing_resources(cfg: TrainConfig) -> str:
     """What the cluster lacks for this run's workers, in words (for the resource-wait error)."""
     import ray
 
-    gpus = cfg.gpus_per_worker if cfg.use_gpu else 0
+    gpus = cfg.gpus_in_use
     nodes = ray.nodes()
     alive = [n for n in nodes if n.get("Alive")]
     dead = [n.get("NodeManagerAddress", "?") for n in nodes if not n.get("Alive")]
@@ -115,9 +113,7 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
 
     from .worker import train_loop_per_worker
 
-    resources = {"CPU": cfg.cpus_per_worker}
-    if cfg.use_gpu:
-        resources["GPU"] = cfg.gpus_per_worker
+    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_in_use} if cfg.use_gpu else {})}
     # One filesystem for Ray's files too (its checkpoint snapshot, old checkpoints' deletion): built
     # here from the AWS variables, pickled to the controller and the workers (which so need no
     # copy of them), its calls retried for --retry-storage-s seconds.
@@ -166,7 +162,7 @@ class BelowMinimum:
         self.cfg, self.since = cfg, None
 
     def __call__(self) -> Optional[str]:
-        fits = workers_that_fit(self.cfg.cpus_per_worker, self.cfg.gpus_per_worker if self.cfg.use_gpu else 0)
+        fits = workers_that_fit(self.cfg.cpus_per_worker, self.cfg.gpus_in_use)
         if fits >= self.cfg.min_workers:
             self.since = None
             return None

@@ -9,8 +9,9 @@ from typing import Any, Optional
 
 from ray.tune import Callback
 
+from .. import storage
 from . import control
-from .trial import trial_dirname
+from .trial import EARLY_STOP_FILE, FINISHED, STOPPED_EARLY, read_summary, status_of, trial_dirname
 
 
 def values_text(config: dict) -> str:
@@ -20,10 +21,12 @@ def values_text(config: dict) -> str:
 class SearchProgress(Callback):
     """Progress lines of one search; `every_s`: the longest gap between two status lines."""
 
-    def __init__(self, metric: str, mode: str, epochs: int, num_samples: int, every_s: float = 30.0):
+    def __init__(self, metric: str, mode: str, epochs: int, num_samples: int, search_dir: str,
+                 every_s: float = 30.0):
         self.metric, self.mode, self.epochs, self.num_samples = metric, mode, epochs, num_samples
-        self.every_s = every_s
+        self.search_dir, self.every_s = search_dir, every_s
         self._printed, self._counts, self._checked = 0.0, None, 0.0
+        self._status: dict[str, str] = {}  # trial folder -> its status once it ended
 
     def setup(self, **info) -> None:
         control.active().take_signals()
@@ -32,11 +35,26 @@ class SearchProgress(Callback):
         print(f"tune: {trial_dirname(trial)} started: {values_text(trial.config)}", flush=True)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info) -> None:
-        epoch = (trial.last_result or {}).get("epoch", 0)
-        how = f"finished {epoch} epochs" if epoch >= self.epochs else f"stopped early after epoch {epoch}"
+        name, status = trial_dirname(trial), self.status(trial)
+        epochs = (read_summary(self.run_dir(trial)) or {}).get("epochs_completed", 0)
+        if status == STOPPED_EARLY:
+            how = f"stopped early by ASHA after {epochs} epoch(s)"
+        elif status == FINISHED and storage.at(self.run_dir(trial)).join(EARLY_STOP_FILE).exists():
+            how = f"finished {epochs} epochs (ASHA's stop request came after its last epoch)"
+        else:
+            how = f"{status} after {epochs} epoch(s)" if status != FINISHED else f"finished {epochs} epochs"
         best = self.best_of(trial)
-        print(f"tune: {trial_dirname(trial)} {how}" + (f", best {self.metric} {best:.4f}" if best is not None
-                                                       else ""), flush=True)
+        print(f"tune: {name} {how}" + (f", best {self.metric} {best:.4f}" if best is not None else ""), flush=True)
+
+    def run_dir(self, trial: Any) -> str:
+        return storage.at(self.search_dir).join(trial_dirname(trial)).uri
+
+    def status(self, trial: Any) -> str:
+        """An ended trial's status, read once from its run folder (as the report reads it)."""
+        name = trial_dirname(trial)
+        if name not in self._status:
+            self._status[name] = status_of(read_summary(self.run_dir(trial)))
+        return self._status[name]
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info) -> None:
         print(f"tune: {trial_dirname(trial)} failed (its run folder and Ray's log above say why)", flush=True)
@@ -56,7 +74,7 @@ class SearchProgress(Callback):
 
     def counts(self, trials: list) -> dict:
         done = [t for t in trials if t.status == "TERMINATED"]
-        early = sum((t.last_result or {}).get("epoch", 0) < self.epochs for t in done)
+        early = sum(self.status(t) == STOPPED_EARLY for t in done)
         running = sum(t.status == "RUNNING" for t in trials)
         return dict(running=running, finished=len(done) - early, early=early,
                     failed=sum(t.status == "ERROR" for t in trials),

@@ -1,9 +1,7 @@
 """A search's report, read from its trials' run folders (the record that survives any restart):
 tune.csv and tune.md (one row per trial), tune.png, and the `train` command of the best trial.
 
-A trial's status: finished (all --epochs), stopped early (by ASHA; it has a checkpoint to extend),
-interrupted (the search was stopped; the same search run again resumes it), failed, or unfinished
-(the search was aborted while it ran).
+A trial's status is trial.status_of's, the same the progress lines and counts say.
 """
 
 from __future__ import annotations
@@ -20,9 +18,9 @@ from ..config import TrainConfig
 from ..config.run import RECIPES, UNREAD_BY_DATA
 from ..core.flags import flag_name
 from ..storage import StorageError
-from ..train.runfiles import CONFIG_JSON, METRICS_JSONL, SUMMARY_JSON
+from ..train.runfiles import CONFIG_JSON, METRICS_JSONL
 from ..train.runlog import csv_text, read_metrics
-from .trial import EARLY_STOPPED, TRIAL_PREFIX
+from .trial import STOPPED_EARLY, TRIAL_PREFIX, read_summary, status_of
 
 TUNE_CSV, TUNE_MD, TUNE_PNG = "tune.csv", "tune.md", "tune.png"
 COLUMNS = ["trial", "status", "epochs", "best_test_acc", "last_test_acc", "best_metric", "wall_s",
@@ -48,25 +46,13 @@ def _read(folder: storage.Location, name: str) -> Optional[dict]:
         return None
 
 
-def status_of(summary: Optional[dict], error: Optional[str]) -> str:
-    if error or (summary or {}).get("error"):
-        return "failed"
-    if summary is None:
-        return "unfinished"
-    if summary.get("finished") and summary.get("epochs_completed", 0) >= summary.get("epochs", 0):
-        return "finished"
-    if summary.get("stopped") == EARLY_STOPPED:
-        return "stopped early"
-    return "interrupted" if summary.get("stopped") else "unfinished"
-
-
 def trial_row(folder: storage.Location, names: list[str], metric: str, mode: str,
               errors: dict[str, str]) -> Optional[dict]:
     """One trial's row and its curve (seconds in epochs, test accuracy), from its folder."""
     cfg = _read(folder, CONFIG_JSON)
     if cfg is None:
         return None
-    summary = _read(folder, SUMMARY_JSON)
+    summary = read_summary(folder)
     try:
         epochs = read_metrics(folder.join(METRICS_JSONL))
     except (FileNotFoundError, StorageError, ValueError):
@@ -81,7 +67,7 @@ def trial_row(folder: storage.Location, names: list[str], metric: str, mode: str
                 best_metric=pick((getattr(e, metric) for e in epochs), default=None),
                 wall_s=(summary or {}).get("wall_s"), train_s=times[-1] if times else None,
                 time_to_first_step_s=(summary or {}).get("time_to_first_step_s"),
-                stopped_early=status == "stopped early", error=error or "",
+                stopped_early=status == STOPPED_EARLY, error=error or "",
                 run_dir=folder.uri, config=cfg, curve=list(zip(times, (e.test_acc for e in epochs))))
 
 

@@ -3,9 +3,11 @@
 Tune's own stop of a trial ends the trial's actor, and with it the run's Ray Train workers in the
 middle of a step, before the run writes its summary. Here ASHA (Ray's AsyncHyperBandScheduler, time
 attribute `epoch`) decides as usual, and its decision to stop is passed on as a stop request into
-the trial's run folder: the run checkpoints at its next step, writes summary.json ("stopped
-early"), and its trial function returns. The trial's last epoch is never a reason to stop (the run
-ends there by itself).
+the trial's run folder: the run checkpoints at the step the request reaches it (a few seconds
+after the epoch ASHA judged), writes summary.json ("stopped early"), and its trial function
+returns. A run whose last epoch ends before the request reaches it has finished: the lines, the
+counts and the report then say "finished" (progress.py reads the run folder). The trial's last
+epoch is never a reason to stop (the run ends there by itself).
 
 Tune keeps no record of a scheduler across a restore (a requeued search starts it afresh), so each
 trial that is added -- a new one, or one restored from the search's state -- tells ASHA the epochs
@@ -61,10 +63,10 @@ class EpochASHA(AsyncHyperBandScheduler):
             return TrialScheduler.CONTINUE
         name = trial_dirname(trial)
         if action == TrialScheduler.STOP or name in self.stopped:
-            if name not in self.stopped:
-                print(f"tune: {name} stopped early after epoch {result['epoch']}: {self.metric_name} "
-                      f"{result.get(self.metric_name, float('nan')):.4f} is behind the other trials "
-                      f"at this rung (ASHA)", flush=True)
+            if name not in self.stopped:  # a request: the run goes on until it reaches the run
+                print(f"tune: ASHA asks {name} to stop: {self.metric_name} "
+                      f"{result.get(self.metric_name, float('nan')):.4f} after epoch {result['epoch']} is "
+                      f"behind the other trials at this rung", flush=True)
             self.stopped.add(name)
             try:
                 self.run_dir(trial).join(EARLY_STOP_FILE).write_text(str(result["epoch"]))

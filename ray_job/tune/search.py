@@ -24,8 +24,8 @@ from ..core.errors import UsageError
 from ..core.exits import ExitCode
 from ..storage import StorageError
 from ..tracking.settings import CREDENTIAL_VARS
-from ..train import stop, tracked
-from ..train.driver import check_sizes, preflight
+from ..train import tracked
+from ..train.driver import check_sizes, open_folder, preflight
 from ..train.trainer import connect, resolve_workers, worker_size, workers_that_fit
 from . import control, report
 from .options import Search
@@ -49,11 +49,7 @@ def run_search(search: Search, argv: list[str], callbacks: Sequence[Any] = (),
     search_dir = storage.at(search.search_dir())
     record = {**search.record(), "command": "python -m ray_job tune " + shlex.join(argv)}
     check_same_search(record, search_dir)
-    try:
-        search_dir.makedirs()
-        stop.clear(search_dir)  # a requeued search must not stop at once
-    except StorageError as e:
-        raise UsageError(str(e)) from None
+    open_folder(search_dir)  # without a requeued search's stop request: it must not stop at once
     control.ACTIVE = live = control.SearchControl(search_dir.uri)
     live.take_signals()  # from now on a stop request; again once Tune has put in its own
     try:
@@ -117,7 +113,7 @@ def fit_cluster(search: Search) -> tuple[Search, int]:
     """The workers per trial and the trials at once, checked against the cluster; every value of
     the space checked against the batch split."""
     base = resolve_workers(search.base)  # --num-workers must fit, alone
-    gpus = base.gpus_per_worker if base.use_gpu else 0
+    gpus = base.gpus_in_use
     fits = workers_that_fit(base.cpus_per_worker, gpus)
     most = fits // base.num_workers
     at_once = search.opts.max_concurrent_trials or min(most, search.opts.num_samples)
@@ -170,7 +166,7 @@ def tuner_for(search: Search, at_once: int, callbacks: Sequence[Any], trial_call
         run_config=tune.RunConfig(
             name=search.base.name, storage_path=root.path, storage_filesystem=fs, verbose=0,
             failure_config=tune.FailureConfig(max_failures=0),
-            callbacks=[SearchProgress(o.metric, o.direction, search.base.epochs, o.num_samples),
+            callbacks=[SearchProgress(o.metric, o.direction, search.base.epochs, o.num_samples, search_dir.uri),
                        *callbacks]))
 
 

@@ -1,8 +1,8 @@
 """One trial: Tune's trial function, which runs an ordinary `train` run with the sampled values.
 
 It runs in the trial's Ray actor (which holds no CPU: the run's Train workers take the cluster's)
-and uses the train driver's own steps -- the run folder's lease, its stop request, start_run,
-fit_and_summarise -- so a trial is a run like any other: its folder <search>/trial_NNN/ holds
+and goes through the train driver's own run lifecycle (driver.run_in_folder: lease, folder, start,
+tracking, fit, summary), so a trial is a run like any other: its folder <search>/trial_NNN/ holds
 config.json, metrics, TensorBoard, checkpoints and summary.json, and `python -m ray_job train` with
 the same flags continues it.
 
@@ -11,8 +11,9 @@ checkpoint upload finishes and at timed or stop checkpoints (test_acc -1); Tune,
 its searcher see exactly one result per finished epoch, with `epoch` as the time attribute.
 
 How a trial ends, as Tune must see it:
-  - the run finished its epochs, or the scheduler stopped it early (the run checkpointed at its
-    next step): the function returns, Tune marks the trial done;
+  - the run finished its epochs, or the scheduler stopped it early (the run checkpointed at the
+    step its stop request reached it; a request that came after its last epoch changes nothing,
+    and the trial counts as finished): the function returns, Tune marks the trial done;
   - the search was asked to stop: the run checkpoints and stops, and the function *parks* (never
     returns), so Tune still has the trial as running when the search ends it, and saves it as
     unfinished: the same search run again resumes it from its checkpoint;
@@ -23,11 +24,12 @@ epochs the folder holds and returns, without training.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -37,9 +39,10 @@ from .. import storage
 from ..config import TrainConfig
 from ..core.exits import ExitCode, is_stop
 from ..storage import StorageError
-from ..train import stop, tracked
-from ..train.driver import fit_and_summarise, open_run_folder, run_lease, start_run
-from ..train.runfiles import CONFIG_JSON, METRICS_JSONL, SUMMARY_JSON
+from ..tracking.epochs import is_epoch
+from ..train import stop
+from ..train.driver import make_way, run_in_folder
+from ..train.runfiles import METRICS_JSONL, SUMMARY_JSON
 from ..train.runlog import read_metrics
 from .space import trial_config
 
@@ -48,8 +51,11 @@ log = logging.getLogger("ray_job.tune")
 TRIAL_PREFIX = "trial_"
 EARLY_STOPPED = "stopped early by the search's scheduler (ASHA)"
 SEARCH_STOPPED = "the search was asked to stop"
-# A key of an epoch's metrics that no other report of the worker loop carries.
-EPOCH_KEY = "train_loss"
+# A trial's status (status_of): finished all --epochs, stopped early by ASHA (it has a checkpoint to
+# extend), interrupted (the search was stopped; the same search run again resumes it), failed, or
+# unfinished (the search was aborted while it ran).
+FINISHED, STOPPED_EARLY, INTERRUPTED, FAILED, UNFINISHED = (
+    "finished", "stopped early", "interrupted", "failed", "unfinished")
 REPLAYED = "replayed"  # a result re-sent from the run folder (the trial had already run)
 EARLY_STOP_FILE = ".early_stop"  # the scheduler's stop of this trial (beside the run's stop request)
 
@@ -82,7 +88,7 @@ class EpochResults(TuneReportCallback):
     the checkpoint path (a trial's checkpoints are its run's, found again by its name)."""
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        if metrics and EPOCH_KEY in metrics[0]:
+        if metrics and is_epoch(metrics[0]):
             super().after_report(run_context, metrics, None)
 
 
@@ -97,6 +103,12 @@ class StopReason:
     @property
     def early(self) -> bool:
         return storage.at(self.run_dir).join(EARLY_STOP_FILE).exists()
+
+    @contextlib.contextmanager
+    def forwarded(self, run_dir: str) -> Iterator[StopReason]:
+        """The search's stop request forwarded to the trial's run while it runs (run_in_folder)."""
+        with stop.forward(self.search_dir, run_dir):
+            yield self
 
     @property
     def reason(self) -> str:
@@ -118,19 +130,13 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
                               storage_path=setup.search_dir, name=name)
     if stop.requested(setup.search_dir):  # started while the search stops: leave it for the next run
         park(cfg)
-    set_aside_other(cfg)
-    if ran_before(cfg):
+    # a folder of this name with other values: the search's record was older than its folders
+    make_way(cfg, resume=True, refuse_other=False)
+    if status_of(read_summary(cfg.run_dir())) in (FINISHED, STOPPED_EARLY):
         return replay(cfg)
     why = StopReason(setup.search_dir, cfg.run_dir())
-    with run_lease(cfg):
-        open_run_folder(cfg)
-        with stop.forward(setup.search_dir, cfg.run_dir()):
-            cfg = start_run(cfg)
-            tracking = tracked.start(cfg, setup.parent_id or None, "tune")
-            callbacks = [*callbacks_for(setup, cfg), *(tracking.callbacks() if tracking else ())]
-            rc = fit_and_summarise(cfg, started, callbacks=callbacks, signals=why)
-            if tracking is not None:
-                tracking.finish(rc, tags={"ray_job.early_stopped": str(is_stop(rc) and why.early).lower()})
+    rc = run_in_folder(cfg, started, why.forwarded, setup.parent_id or None, "tune", callbacks_for(setup, cfg),
+                       tags=lambda rc: {"ray_job.early_stopped": str(is_stop(rc) and why.early).lower()})
     if is_stop(rc) and why.reason == SEARCH_STOPPED:
         park(cfg)
     if rc != ExitCode.DONE and not is_stop(rc):
@@ -144,18 +150,25 @@ def park(cfg: TrainConfig) -> None:
         time.sleep(60)
 
 
-def read_summary(cfg: TrainConfig) -> Optional[dict]:
+def read_summary(run_dir: storage.Where) -> Optional[dict]:
     try:
-        return storage.read_json(storage.at(cfg.run_dir()).join(SUMMARY_JSON))
+        return storage.read_json(storage.at(run_dir).join(SUMMARY_JSON))
     except (FileNotFoundError, StorageError, ValueError):
         return None
 
 
-def ran_before(cfg: TrainConfig) -> bool:
-    """The folder holds this trial finished, or stopped early by the scheduler."""
-    summary = read_summary(cfg) or {}
-    finished = summary.get("finished") and summary.get("epochs_completed", 0) >= cfg.epochs
-    return bool(finished or summary.get("stopped") == EARLY_STOPPED)
+def status_of(summary: Optional[dict], error: Optional[str] = None) -> str:
+    """A trial's status, from its run's summary.json (the record that survives any restart): the
+    progress lines, the counts and the report all say this."""
+    if error or (summary or {}).get("error"):
+        return FAILED
+    if summary is None:
+        return UNFINISHED
+    if summary.get("finished") and summary.get("epochs_completed", 0) >= summary.get("epochs", 0):
+        return FINISHED
+    if summary.get("stopped") == EARLY_STOPPED:
+        return STOPPED_EARLY
+    return INTERRUPTED if summary.get("stopped") else UNFINISHED
 
 
 def replay(cfg: TrainConfig) -> None:
@@ -166,22 +179,6 @@ def replay(cfg: TrainConfig) -> None:
     log.info("%s: already ran (%d epochs); reporting them without training", cfg.name, len(rows))
     for row in rows:
         tune.report({**row.to_dict(), REPLAYED: True})
-
-
-def set_aside_other(cfg: TrainConfig) -> None:
-    """A folder of this name that holds another trial's flags (a search whose record was older than
-    its folders drew new values) is moved aside, and this trial starts afresh."""
-    folder = storage.at(cfg.run_dir())
-    try:
-        saved = storage.read_json(folder.join(CONFIG_JSON))
-    except (FileNotFoundError, StorageError, ValueError):
-        return
-    wanted = {k: v for k, v in cfg.result_fields().items() if k not in ("name", "storage_path")}
-    if {k: saved.get(k) for k in wanted} == wanted:
-        return
-    aside = storage.at(f"{folder.uri}.other-{time.strftime('%Y%m%d_%H%M%S')}", near=folder)
-    log.warning("%s holds a trial with other values; moving it aside to %s", folder.uri, aside.uri)
-    folder.move_to(aside)
 
 
 def callbacks_for(setup: TrialSetup, cfg: TrainConfig) -> Sequence[Any]:
