@@ -9,6 +9,7 @@ USR1 in the middle, requeue, the same search continues and completes. And a sear
 from __future__ import annotations
 
 import csv
+import re
 import signal
 import time
 
@@ -151,6 +152,7 @@ SEARCH = [*TINY, "--num-workers", "1", "--epochs", "3", "--synthetic-train-size"
           "--synthetic-test-size", "128", "--space", "lr=loguniform:0.00001:1", "--num-samples", "3",
           "--max-concurrent-trials", "2", "--reduction-factor", "2", "--storage-path", "results",
           "--name", "search", "--mlflow"]
+ENDED = re.compile(r"^tune: (trial_\d+) (finished|stopped early)\b", re.M)
 
 
 def _rows(search_dir):
@@ -166,16 +168,18 @@ def test_search_interrupted_and_continued(ray_cluster, tmp_path):
     env = ray_cluster.user_env()
     started = time.monotonic()
     first = Running("tune", *SEARCH, cwd=home, env=env)
-    done = first.wait_for(lambda: [t for t in ("trial_000", "trial_001") if f"tune: {t} finished" in first.out],
-                          timeout=400)
-    first.wait_for(lambda: events(search_dir / "trial_002", "epoch_start") if (search_dir / "trial_002").exists()
-                   else None, timeout=300)
-    first.signal_group(signal.SIGINT)  # Ctrl-C while trial_002 trains
+    # Ctrl-C once trial_002's run holds its folder (config.json), before its workers start: the stop
+    # request is there before its first step, so it checkpoints within its first epoch on any machine
+    # (its 3 epochs are left), whatever the speed; no race with the run.
+    first.wait_for(lambda: (search_dir / "trial_002" / "config.json").exists(), timeout=600)
+    first.signal_group(signal.SIGINT)
     assert first.finish(timeout=300) == 130, first.out[-4000:]
     first_s = time.monotonic() - started
     assert "search stopped on request" in first.out and "every running trial has checkpointed" in first.out
     rows = _rows(search_dir)
-    assert {rows[t]["status"] for t in done} == {"finished"}
+    done = [t for t in ("trial_000", "trial_001") if rows[t]["status"] == "finished"]
+    assert done, rows  # trial_002 starts when one of the first two has finished (2 at once)
+    assert {t for t in done if f"tune: {t} finished" in first.out} == set(done)
     interrupted = [t for t, r in rows.items() if r["status"] == "interrupted"]
     assert "trial_002" in interrupted or rows["trial_002"]["status"] == "stopped early", rows
     before = {t: (search_dir / t / "metrics.jsonl").read_text() for t in done}
@@ -198,6 +202,10 @@ def test_search_interrupted_and_continued(ray_cluster, tmp_path):
         assert float(r["best_test_acc"]) == run["best_test_acc"]
     table = (search_dir / "tune.md").read_text()
     assert "| trial_002 |" in table and "stopped early" in table and table.strip()[:40] in out
+    # What the lines said is what happened: each trial's last end line, the counts and the table agree.
+    said = dict(ENDED.findall(first.out + "\n" + out))
+    assert said == {t: r["status"] for t, r in rows.items()}, (said, rows)
+    assert f"; {len(early)} trial(s) stopped early," in table and f" {len(early)} stopped early," in out
     assert (search_dir / "tune.png").read_bytes()[:8] == PNG_MAGIC
     best = max(rows.values(), key=lambda r: float(r["best_test_acc"]))
     command = next(line.strip() for line in out.splitlines() if line.strip().startswith("python -m ray_job train"))
