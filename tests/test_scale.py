@@ -288,3 +288,36 @@ def test_scale_defaults_and_passthrough_flags():
     assert parse_args(["--batch-size", "256", "--steps-per-epoch", "7"])[1].name != cfg.name
     _, cfg = parse_args(["--recipe", "fast", "--steps-per-epoch", "7"])
     assert (cfg.epochs, cfg.steps_per_epoch, cfg.batch_size) == (1, 7, 1024)
+
+
+def test_a_folder_is_reused_only_for_the_same_work(tmp_path):
+    """One rule for a sweep's point and a search's trial (driver.make_way): a finished run is reused
+    when only what changes no result differs (where Ray is, how often to checkpoint, the name, the
+    storage path, what --data does not read); other flags are refused for a point and moved aside
+    for a trial; an unfinished point is moved aside (its timings must cover the whole run)."""
+    import dataclasses
+    import json
+
+    from ray_job.config import TrainConfig
+    from ray_job.train.driver import make_way
+
+    cfg = TrainConfig(data="synthetic", epochs=1, storage_path=str(tmp_path), name="p")
+    run = tmp_path / "p"
+    run.mkdir()
+    saved = dataclasses.replace(cfg, address="10.0.0.1:6379", checkpoint_every_min=5.0, data_dir="/elsewhere",
+                                storage_path="/old/place", name="q")
+    (run / "config.json").write_text(json.dumps(saved.to_dict()))
+    (run / "summary.json").write_text(json.dumps(dict(finished=True, epochs_completed=1)))
+    assert make_way(cfg, resume=False, refuse_other=True) is True
+    assert make_way(cfg, resume=True, refuse_other=False) is True
+    other = dataclasses.replace(cfg, seed=1)
+    with pytest.raises(UsageError, match="other flags"):
+        make_way(other, resume=False, refuse_other=True)
+    assert run.exists()
+    assert make_way(other, resume=True, refuse_other=False) is False and not run.exists()
+    assert [p.name.split("-")[0] for p in tmp_path.iterdir()] == ["p.other"]
+    run.mkdir()
+    (run / "events.jsonl").write_text("{}\n")  # stopped before its config: unfinished
+    assert make_way(cfg, resume=True, refuse_other=False) is False and run.exists()  # a trial resumes
+    assert make_way(cfg, resume=False, refuse_other=True) is False and not run.exists()  # a point reruns
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["p.interrupted", "p.other"]

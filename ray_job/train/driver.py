@@ -208,12 +208,14 @@ def make_way(cfg: TrainConfig, resume: bool, refuse_other: bool) -> bool:
     cover the whole run)."""
     folder = storage.at(cfg.run_dir())
     try:
+        if not folder.is_dir():
+            return False
         saved = storage.read_json(folder.join(CONFIG_JSON))
-    except FileNotFoundError:
-        return False
+    except FileNotFoundError:  # a run that stopped before it wrote its config: nothing else
+        saved = None
     except (StorageError, ValueError) as e:
         raise UsageError(f"cannot read {folder.join(CONFIG_JSON).uri}: {e}") from None
-    same, finished = same_run(cfg, saved), finished_summary(cfg) is not None
+    same, finished = saved is None or same_run(cfg, saved), finished_summary(cfg) is not None
     if same and (finished or resume):
         return finished
     if finished and refuse_other:
