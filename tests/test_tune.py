@@ -121,6 +121,23 @@ def test_only_epoch_results_reach_tune():
 
 
 
+def test_rays_advice_for_a_continued_run_stays_out_of_the_terminal():
+    """Ray Train's controller unpickles the run's callbacks before it reads its snapshot: from then on
+    its "configure a new, unique RunConfig(name)" notice is a DEBUG record (Ray's log files keep it,
+    its console handler drops it); other records stay as they are."""
+    import logging
+    import pickle
+
+    from ray_job.train.notices import Quiet
+
+    pickle.loads(pickle.dumps(Quiet()))
+    make = logging.getLogger("ray.train.test").makeRecord
+    notice = make("ray.train.test", logging.INFO, __file__, 1, "A run snapshot was found in storage folder "
+                  "at: '/x'\n... please configure a new, unique `RunConfig(name)`", (), None)
+    other = make("ray.train.test", logging.INFO, __file__, 1, "Started training worker group", (), None)
+    assert (notice.levelno, other.levelno) == (logging.DEBUG, logging.INFO)
+
+
 @pytest.mark.parametrize("how", ["random", "optuna"])
 def test_the_searchers_propose_values_inside_the_space(how):
     """Both searchers, as the search builds them, take the space and propose values inside it
@@ -187,6 +204,7 @@ def test_search_interrupted_and_continued(ray_cluster, tmp_path):
     again = run_cli("tune", *SEARCH, cwd=home, env=env, timeout=600)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     out = again.stdout
+    assert "A run snapshot was found" not in out + again.stderr  # Ray's advice for RunConfig users
     for t in done:  # finished trials are not run again
         assert f"tune: {t} started" not in out and (search_dir / t / "metrics.jsonl").read_text() == before[t]
     for t in interrupted:  # interrupted ones resume from the checkpoint taken at the stop

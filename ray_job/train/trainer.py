@@ -111,6 +111,7 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from .notices import Quiet
     from .worker import train_loop_per_worker
 
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": cfg.gpus_in_use} if cfg.use_gpu else {})}
@@ -140,7 +141,7 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
             checkpoint_config=CheckpointConfig(**Checkpointer.retention(cfg.keep_checkpoints)),
             failure_config=FailureConfig(max_failures=cfg.max_failures,
                                          controller_failure_limit=-1 if cfg.min_workers else 0),
-            callbacks=list(callbacks),
+            callbacks=[Quiet(), *callbacks],
         ),
     )
 

@@ -1,0 +1,44 @@
+"""Ray Train's advice that does not apply to a run of ours, kept out of the user's terminal.
+
+A continued run (the same command again) makes Ray Train's controller log "A run snapshot was found
+... please configure a new, unique `RunConfig(name)` or delete the existing folder": advice for a
+user who set a RunConfig, given to one who was told to run the same command again, and whose own
+line already says what is resumed. `Quiet` is one of the run's Ray Train callbacks: when the
+controller unpickles it (before it reads the snapshot) it turns such notices into DEBUG records,
+which Ray's console handler drops and its log files (ray-train-sys-controller-*.log) still keep.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray.train import UserCallback
+
+NOTICES = ("A run snapshot was found",)
+
+
+class Quiet(UserCallback):
+    """Installs the demotion in the process that unpickles it (Ray Train's controller)."""
+
+    def __init__(self) -> None:
+        self.notices = NOTICES  # a state to restore: pickle calls __setstate__ only then
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        demote_notices()
+
+
+def demote_notices() -> None:
+    """Records of NOTICES are made at DEBUG from now on in this process (once)."""
+    make = logging.getLogRecordFactory()
+    if getattr(make, "demotes", False):
+        return
+
+    def demoted(*args, **kwargs) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        if record.levelno == logging.INFO and str(record.msg).startswith(NOTICES):  # as Ray 2.60 words it
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return record
+
+    demoted.demotes = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(demoted)
