@@ -37,12 +37,10 @@ class SearchProgress(Callback):
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info) -> None:
         name, status = trial_dirname(trial), self.status(trial)
         epochs = (read_summary(self.run_dir(trial)) or {}).get("epochs_completed", 0)
-        if status == STOPPED_EARLY:
-            how = f"stopped early by ASHA after {epochs} epoch(s)"
-        elif status == FINISHED and storage.at(self.run_dir(trial)).join(EARLY_STOP_FILE).exists():
-            how = f"finished {epochs} epochs (ASHA's stop request came after its last epoch)"
-        else:
-            how = f"{status} after {epochs} epoch(s)" if status != FINISHED else f"finished {epochs} epochs"
+        how = {STOPPED_EARLY: f"stopped early by ASHA after {epochs} epoch(s)",
+               FINISHED: f"finished {epochs} epochs"}.get(status, f"{status} after {epochs} epoch(s)")
+        if status == FINISHED and storage.at(self.run_dir(trial)).join(EARLY_STOP_FILE).exists():
+            how += " (ASHA's stop request came after its last epoch)"
         best = self.best_of(trial)
         print(f"tune: {name} {how}" + (f", best {self.metric} {best:.4f}" if best is not None else ""), flush=True)
 
