@@ -121,6 +121,41 @@ def test_only_epoch_results_reach_tune():
 
 
 
+def test_the_end_lines_the_counts_and_the_table_say_what_the_trials_did(tmp_path, capsys):
+    """3 trials of 2 short epochs: ASHA asked trial_001 and trial_002 to stop after epoch 1, but
+    trial_002's last epoch was over before the request reached its run. The lines, the counts and
+    the table all say what the run folders hold: trial_002 finished, one trial stopped early."""
+    import json
+    from types import SimpleNamespace
+
+    from ray_job import storage
+    from ray_job.tune import report
+    from ray_job.tune.progress import SearchProgress
+    from ray_job.tune.trial import EARLY_STOPPED
+
+    search = tmp_path / "search"
+    ran = {0: dict(finished=True, epochs_completed=2), 1: dict(finished=False, epochs_completed=1,
+           stopped=EARLY_STOPPED), 2: dict(finished=True, epochs_completed=2)}
+    trials = []
+    for n, summary in ran.items():
+        folder = search / f"trial_{n:03d}"
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps({**summary, "epochs": 2}))
+        (folder / "config.json").write_text(json.dumps({"lr": 0.1}))
+        if n:
+            (folder / ".early_stop").write_text("1")  # ASHA's request (scheduler.py)
+        trials.append(SimpleNamespace(experiment_tag=f"{n}_lr=0.1", status="TERMINATED", config={"lr": 0.1},
+                                      last_result={"epoch": summary["epochs_completed"]}, metric_analysis={}))
+    progress = SearchProgress("test_acc", "max", 2, 3, str(search))
+    for t in trials:
+        progress.on_trial_complete(0, trials, t)
+    said = dict(ENDED.findall(capsys.readouterr().out))
+    rows = report.collect(storage.at(str(search)), ["lr"], "test_acc", "max")
+    assert said == {r["trial"]: r["status"] for r in rows} == {
+        "trial_000": "finished", "trial_001": "stopped early", "trial_002": "finished"}
+    assert progress.counts(trials) == dict(running=0, finished=2, early=1, failed=0, waiting=0)
+
+
 def test_rays_advice_for_a_continued_run_stays_out_of_the_terminal():
     """Ray Train's controller unpickles the run's callbacks before it reads its snapshot: from then on
     its "configure a new, unique RunConfig(name)" notice is a DEBUG record (Ray's log files keep it,
