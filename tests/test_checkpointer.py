@@ -20,7 +20,7 @@ from ray_job.storage import Location, at, read_jsonl
 from ray_job.train.checkpoint import CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError
 from ray_job.train.checkpointer import Checkpointer, LocalReports, saved_checkpoints
 from ray_job.train.runlog import RunLog
-from ray_job.train.uploader import snapshot
+from ray_job.train.uploader import Snapshot
 
 
 def model_state(value: float = 1.0, width: int = 256):
@@ -82,11 +82,11 @@ def test_the_next_snapshot_is_copied_into_the_last_one_and_each_checkpoint_keeps
 
 def test_a_snapshot_reuses_the_tensors_that_match_and_allocates_the_rest():
     model, _ = model_state(1.0, width=8)
-    first = snapshot(model.state_dict()).wait()
+    first = Snapshot(model.state_dict()).wait()
     with torch.no_grad():
         model.weight.fill_(2.0)
     old = {"weight": first["weight"], "bias": torch.zeros(3)}  # bias: another shape
-    second = snapshot(model.state_dict(), into=old).wait()
+    second = Snapshot(model.state_dict(), into=old).wait()
     assert second["weight"].data_ptr() == first["weight"].data_ptr() and torch.all(second["weight"] == 2.0)
     assert second["bias"].shape == (8,) and torch.equal(second["bias"], model.bias.detach())
     assert second["weight"].data_ptr() != model.weight.data_ptr()  # a copy, never the live tensor

@@ -68,7 +68,7 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
     store.makedirs()
     files = RunLog(store)
     reports = LocalReports()
-    ckpt = Checkpointer(store, reports.link(), True, files, 0.0, asynchronous=mode == "async")
+    ckpt = Checkpointer(store, reports.link(), True, files, 0.0, asynchronous=mode == "async")  # the master
     steps = EpochSteps(model, optimizer, constant_scheduler(optimizer), torch.nn.CrossEntropyLoss(), augment,
                        device, bf16)
     times, marks = [], []

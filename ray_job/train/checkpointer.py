@@ -30,7 +30,7 @@ from ..storage import Location, StorageError
 from .checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint, training_state, write_checkpoint
 from .runfiles import CHECKPOINT_PREFIX, EVENTS_JSONL, Event
 from .runlog import RunLog
-from .uploader import Upload, snapshot
+from .uploader import Snapshot, Upload
 
 log = logging.getLogger("ray_job")
 
@@ -138,7 +138,7 @@ class Checkpointer:
             if self.master_process:
                 assert self._upload is None, "a checkpoint started before the previous one was reported"
                 name = self.ray.new_dir_name()
-                snap = snapshot(training_state(**state()), into=self._last_snapshot)
+                snap = Snapshot(training_state(**state()), into=self._last_snapshot)
                 self._last_snapshot, self._metrics = snap.state, metrics
                 self._upload = Upload(lambda: self._write(name, snap.wait(), 0.0))
             return None

@@ -68,19 +68,13 @@ class EpochSteps:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loss_fn, self.preprocess, self.device = loss_fn, preprocess, device
         self.bf16, self.sync_timing = bf16, sync_timing
-        self.stats = EpochStats()
-        self._loss_sum = self._correct = 0
+        self.stats, self._loss_sum, self._correct = EpochStats(), 0, 0
         self._start = time.perf_counter()
 
     def run(self, batches: Iterable, max_steps: int = 0, skip_steps: int = 0) -> Iterator[Step]:
         """A new epoch's steps over `batches`, skipping the first `skip_steps` and stopping after
         `max_steps`."""
-        self.stats = EpochStats()
-        self._loss_sum = self._correct = 0
-        self._start = time.perf_counter()
-        return self._steps(batches, max_steps, skip_steps)
-
-    def _steps(self, batches: Iterable, max_steps: int, skip_steps: int) -> Iterator[Step]:
+        self.stats, self._loss_sum, self._correct = EpochStats(), 0, 0
         self.model.train()
         it = iter(batches)
         if skip_steps:
