@@ -1,4 +1,4 @@
-"""The checkpointer without Ray (its two Ray calls are a recording stand-in): asynchronous saves
+"""The checkpointer without Ray (its two Ray calls: LocalReports): asynchronous saves
 that are reported only once complete, with their own metrics; snapshots copied into the last one's
 memory; the last checkpoint written before save() returns; a failed background upload reported
 without a checkpoint, the next one saved; a process killed during an upload leaving the previous
@@ -7,7 +7,6 @@ verifies."""
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
 import os
 import signal
@@ -19,21 +18,9 @@ import torch
 import fsfaults
 from ray_job.storage import Location, at, read_jsonl
 from ray_job.train.checkpoint import CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError
-from ray_job.train.checkpointer import Checkpointer, RayLink, saved_checkpoints
+from ray_job.train.checkpointer import Checkpointer, LocalReports, saved_checkpoints
 from ray_job.train.runlog import RunLog
-from ray_job.train.uploader import snapshot
-
-
-class Reports:
-    """The RayLink of one rank: checkpoint names in time order, and what was reported."""
-
-    def __init__(self):
-        self.calls: list[tuple[dict, str | None]] = []
-        self.counter = itertools.count()
-
-    def link(self) -> RayLink:
-        return RayLink(lambda: f"checkpoint_2026-01-01_00-00-{next(self.counter):02d}.000000",
-                       lambda metrics, path: self.calls.append((metrics, path)))
+from ray_job.train.uploader import Snapshot
 
 
 def model_state(value: float = 1.0, width: int = 256):
@@ -49,8 +36,8 @@ def state_fn(model, optimizer, epoch: int, step: int = 0):
                         world_size=1)
 
 
-def make(store: Location, asynchronous: bool = True) -> tuple[Checkpointer, Reports]:
-    reports = Reports()
+def make(store: Location, asynchronous: bool = True) -> tuple[Checkpointer, LocalReports]:
+    reports = LocalReports()
     return Checkpointer(store, reports.link(), True, RunLog(store), 2.0, asynchronous), reports
 
 
@@ -61,12 +48,12 @@ def test_an_async_save_is_reported_once_complete_with_its_own_metrics(tmp_path):
     assert ckpt.save(state_fn(model, optimizer, epoch=1), {"epoch": 1, "test_acc": 0.5}) is None
     with torch.no_grad():
         model.weight.fill_(7.0)  # the next steps change the live model: the snapshot does not
-    assert reports.calls == [] and not ckpt.idle()  # nothing reported while it uploads
-    ckpt.wait()
-    assert ckpt.saved()
+    assert reports.calls == [] and ckpt.busy()  # nothing reported while it uploads
+    ckpt.wait_for_upload()
+    assert ckpt.upload_over()
     ckpt.report_saved()
     ((metrics, path),) = reports.calls
-    assert metrics == {"epoch": 1, "test_acc": 0.5} and ckpt.idle() and not ckpt.saved()
+    assert metrics == {"epoch": 1, "test_acc": 0.5} and not ckpt.busy() and not ckpt.upload_over()
     folder = Location(store.fs, path, path)
     assert sorted(os.listdir(path)) == [CHECKPOINT_FILE, MANIFEST_FILE]
     from ray_job.train.checkpoint import load_checkpoint
@@ -84,7 +71,7 @@ def test_the_next_snapshot_is_copied_into_the_last_one_and_each_checkpoint_keeps
         with torch.no_grad():
             model.weight.fill_(value)
         ckpt.save(state_fn(model, optimizer, epoch=epoch), {"epoch": epoch})
-        ckpt.wait()
+        ckpt.wait_for_upload()
         ckpt.report_saved()
     from ray_job.train.checkpoint import load_checkpoint
 
@@ -95,11 +82,11 @@ def test_the_next_snapshot_is_copied_into_the_last_one_and_each_checkpoint_keeps
 
 def test_a_snapshot_reuses_the_tensors_that_match_and_allocates_the_rest():
     model, _ = model_state(1.0, width=8)
-    first = snapshot(model.state_dict()).wait()
+    first = Snapshot(model.state_dict()).wait()
     with torch.no_grad():
         model.weight.fill_(2.0)
     old = {"weight": first["weight"], "bias": torch.zeros(3)}  # bias: another shape
-    second = snapshot(model.state_dict(), into=old).wait()
+    second = Snapshot(model.state_dict(), into=old).wait()
     assert second["weight"].data_ptr() == first["weight"].data_ptr() and torch.all(second["weight"] == 2.0)
     assert second["bias"].shape == (8,) and torch.equal(second["bias"], model.bias.detach())
     assert second["weight"].data_ptr() != model.weight.data_ptr()  # a copy, never the live tensor
@@ -108,18 +95,19 @@ def test_a_snapshot_reuses_the_tensors_that_match_and_allocates_the_rest():
 def test_the_last_checkpoint_is_written_before_save_returns(tmp_path):
     ckpt, reports = make(at(str(tmp_path / "run")))
     model, optimizer = model_state()
-    assert ckpt.save(state_fn(model, optimizer, epoch=2), {"epoch": 2}, last=True) is None
+    assert ckpt.save(state_fn(model, optimizer, epoch=2), {"epoch": 2}, final=True) is None
     ((metrics, path),) = reports.calls
-    assert ckpt.idle() and os.path.exists(os.path.join(path, MANIFEST_FILE)) and metrics == {"epoch": 2}
+    assert not ckpt.busy() and os.path.exists(os.path.join(path, MANIFEST_FILE)) and metrics == {"epoch": 2}
 
 
 def test_a_failed_background_upload_is_reported_without_a_checkpoint_and_the_next_saves(tmp_path):
     bad = Location(fsfaults.short_writes(100), str(tmp_path / "run"), "store://run")
-    reports = Reports()  # checkpoints to a store that keeps short copies; the run log is fine
+    reports = LocalReports()  # checkpoints to a store that keeps short copies; the run log is fine
     ckpt = Checkpointer(bad, reports.link(), True, RunLog(at(str(tmp_path / "run"))), 2.0)
     model, optimizer = model_state()
     ckpt.save(state_fn(model, optimizer, epoch=1), {"epoch": 1})
-    ckpt.wait()
+    ckpt.wait_for_upload()
+    assert ckpt.upload_over()  # over, though nothing was saved: it still waits for its report
     ckpt.report_saved()
     assert reports.calls == [({"epoch": 1}, None)]  # the metrics still count, no checkpoint
     events = read_jsonl(at(str(tmp_path / "run")).join("events.jsonl"))
@@ -127,7 +115,7 @@ def test_a_failed_background_upload_is_reported_without_a_checkpoint_and_the_nex
     assert not [d for d in os.listdir(tmp_path / "run") if d.startswith("checkpoint_")]  # nothing half left
     good = Checkpointer(at(str(tmp_path / "run")), reports.link(), True, RunLog(at(str(tmp_path / "run"))), 2.0)
     good.save(state_fn(model, optimizer, epoch=2), {"epoch": 2})
-    good.wait()
+    good.wait_for_upload()
     good.report_saved()
     assert reports.calls[-1][1] is not None
 
@@ -136,16 +124,16 @@ def test_synchronous_mode_reports_at_once(tmp_path):
     ckpt, reports = make(at(str(tmp_path / "run")), asynchronous=False)
     model, optimizer = model_state()
     ckpt.save(state_fn(model, optimizer, epoch=1), {"epoch": 1})
-    assert len(reports.calls) == 1 and reports.calls[0][1] is not None and ckpt.idle()
+    assert len(reports.calls) == 1 and reports.calls[0][1] is not None and not ckpt.busy()
 
 
 def _save_slowly_then_wait(run_dir: str, ready) -> None:
     """A rank 0 whose second upload is slow (the storage under load) and who is killed during it."""
     local = at(run_dir)
-    ckpt = Checkpointer(local, Reports().link(), True, RunLog(local), 0.0)
+    ckpt = Checkpointer(local, LocalReports().link(), True, RunLog(local), 0.0)
     model, optimizer = model_state(width=1024)
     ckpt.save(state_fn(model, optimizer, epoch=1), {"epoch": 1})
-    ckpt.wait()
+    ckpt.wait_for_upload()
     ckpt.report_saved()
     slow = Location(fsfaults.slow_writes(2.0), run_dir, run_dir)
     ckpt.store = slow

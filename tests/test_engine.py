@@ -7,7 +7,7 @@ from ray_job.config import TrainConfig
 from ray_job.data.arrays import ArrayDataset
 from ray_job.data.augment import DeviceAugment
 from ray_job.data.synthetic import make_synthetic
-from ray_job.train.engine import EpochSteps, evaluate, measure_comm_wait, train_epoch
+from ray_job.train.engine import EpochSteps, evaluate, measure_comm_wait
 from ray_job.model.resnet import build_model, param_groups, unwrap
 from ray_job.model.optim import LRFactor, build_optimizer, build_scheduler
 
@@ -28,8 +28,8 @@ def test_train_epoch_learns_and_evaluate_counts():
     cfg, model, loader, opt, sched, aug = _setup()
     test_ds = ArrayDataset(make_synthetic(128, 0, False))
     test = torch.utils.data.DataLoader(test_ds, batch_size=50, collate_fn=test_ds.collate_fn)
-    losses = [train_epoch(model, loader, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"))
-              for _ in range(3)]
+    steps = EpochSteps(model, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"))  # built once
+    losses = [steps.train_epoch(loader) for _ in range(3)]
     assert losses[-1].loss_sum / losses[-1].count < losses[0].loss_sum / losses[0].count
     assert losses[0].steps == 8 and losses[0].count == 256 and losses[0].first_step_time
     stats = evaluate(model, test, nn.CrossEntropyLoss(), aug, torch.device("cpu"))
@@ -49,11 +49,9 @@ def test_stop_at_a_step_and_the_mid_epoch_skip():
             break
     stats = epoch.finish()
     assert numbers == [1, 2, 3] and stats.steps == 3 and stats.count == 96 and stats.wall_s > 0
-    rest = train_epoch(model, loader, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"),
-                       skip_steps=3)
-    assert rest.steps == 5
-    capped = EpochSteps(model, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"))
-    assert [s.number for s in capped.run(loader, max_steps=2)] == [1, 2] and capped.finish().steps == 2
+    rest = epoch.train_epoch(loader, skip_steps=3)
+    assert rest.steps == 5 and rest.count == 160  # the same object, a new epoch's sums
+    assert [s.number for s in epoch.run(loader, max_steps=2)] == [1, 2] and epoch.finish().steps == 2
 
 
 def test_lr_schedule_warms_up_then_decays():
@@ -80,7 +78,7 @@ def test_model_shapes_and_stems():
 
 def test_checkpoint_round_trip_unwrapped_and_on_cpu(tmp_path):
     cfg, model, loader, opt, sched, aug = _setup()
-    train_epoch(model, loader, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"), max_steps=2)
+    EpochSteps(model, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu")).train_epoch(loader, max_steps=2)
     wrapped = nn.Sequential()  # stands in for DDP's `.module` nesting
     wrapped.module = model
     save_checkpoint(str(tmp_path), model=unwrap(wrapped), optimizer=opt,
@@ -111,8 +109,8 @@ def test_checkpoint_of_another_format_is_a_clear_error(tmp_path):
 
 def test_comm_wait_is_zero_without_ddp():
     cfg, model, loader, opt, sched, aug = _setup()
-    assert measure_comm_wait(model, next(iter(loader)), nn.CrossEntropyLoss(), aug,
-                             torch.device("cpu"), False) == 0.0
+    steps = EpochSteps(model, opt, sched, nn.CrossEntropyLoss(), aug, torch.device("cpu"))
+    assert measure_comm_wait(steps, next(iter(loader))) == 0.0
 
 
 class Tiny(nn.Module):

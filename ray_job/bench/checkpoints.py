@@ -53,28 +53,10 @@ class CheckpointBenchConfig:
                              "negative")
 
 
-class _NoRay:
-    """The checkpointer's RayLink without Ray: folder names in time order, reports counted."""
-
-    def __init__(self):
-        self.reports, self.count = 0, 0
-
-    def link(self):
-        from ..train.checkpointer import RayLink
-
-        def name() -> str:
-            self.count += 1
-            return time.strftime("checkpoint_%Y-%m-%d_%H-%M-%S.") + f"{self.count:06d}"
-
-        def report(metrics, path) -> None:
-            self.reports += 1
-        return RayLink(name, report)
-
-
 def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
     """One run of --steps steps with checkpoints of `mode` to `where`; per-step times."""
     from .. import storage
-    from ..train.checkpointer import Checkpointer
+    from ..train.checkpointer import Checkpointer, LocalReports
     from ..train.engine import EpochSteps
     from ..train.runlog import RunLog
     from .common import constant_scheduler
@@ -85,19 +67,19 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
     store = storage.at(where).join(f"{mode}_{os.getpid()}_{time.time_ns()}")
     store.makedirs()
     files = RunLog(store)
-    ray = _NoRay()
-    ckpt = Checkpointer(store, ray.link(), True, files, 0.0, asynchronous=mode == "async")
+    reports = LocalReports()
+    ckpt = Checkpointer(store, reports.link(), True, files, 0.0, asynchronous=mode == "async")  # the master
     steps = EpochSteps(model, optimizer, constant_scheduler(optimizer), torch.nn.CrossEntropyLoss(), augment,
                        device, bf16)
     times, marks = [], []
     started = last = time.perf_counter()
     busy, (own, _, _) = machine_busy_s(), own_usage()  # for the CPU used outside this process
     for step in steps.run(batches(), cfg.steps + cfg.warmup):
-        if mode == "async" and ckpt.saved():  # what the step control does at its next poll
+        if mode == "async" and ckpt.upload_over():  # what the step control decides at its next poll
             ckpt.report_saved()
         if mode != "none" and step.number > cfg.warmup and (step.number - cfg.warmup) % cfg.every == 0:
-            if mode == "async" and not ckpt.idle():  # the next checkpoint waits for the previous
-                ckpt.wait()
+            if mode == "async" and ckpt.busy():  # the next checkpoint waits for the previous
+                ckpt.wait_for_upload()
                 ckpt.report_saved()
             state = dict(model=model, optimizer=optimizer, config={}, world_size=1, epoch=0,
                          step=step.number, metrics={})
@@ -109,8 +91,8 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
         if step.number > cfg.warmup:
             times.append(now - last)
         last = now
-    if not ckpt.idle():
-        ckpt.wait()
+    if ckpt.busy():
+        ckpt.wait_for_upload()
         ckpt.report_saved()
     wall = time.perf_counter() - started
     other = None if busy is None else max(0.0, machine_busy_s() - busy - (own_usage()[0] - own)) / (
@@ -123,7 +105,7 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
     plain = [t for i, t in enumerate(times) if i not in with_ckpt] or times
     median = statistics.median(plain)
     stalls = [times[i] - median for i in marks]
-    return dict(mode=mode, storage=where, steps=len(times), checkpoints=len(saved), reports=ray.reports,
+    return dict(mode=mode, storage=where, steps=len(times), checkpoints=len(saved), reports=len(reports.calls),
                 images_per_s=cfg.batch_size * len(times) / sum(times), median_step_s=median,
                 stall_s=statistics.mean(stalls) if stalls else 0.0,
                 upload_s=statistics.mean(e["upload_s"] for e in saved) if saved else None,

@@ -37,17 +37,16 @@ def constant_scheduler(optimizer):
 
 def run_steps(model, batches, optimizer, preprocess: Callable, device, bf16: bool, steps: int,
               warmup: int) -> dict:
-    """img/s and data share over `steps` steps after `warmup` untimed ones (train_epoch timing)."""
-    from ..train.engine import peak_rss_gib, train_epoch
+    """img/s and data share over `steps` steps after `warmup` untimed ones (EpochSteps' timing)."""
+    from ..train.engine import EpochSteps, peak_rss_gib
 
-    loss_fn = nn.CrossEntropyLoss()
-    sched = constant_scheduler(optimizer)
+    step = EpochSteps(model, optimizer, constant_scheduler(optimizer), nn.CrossEntropyLoss(), preprocess, device,
+                      bf16)
     if warmup:
-        train_epoch(model, batches(), optimizer, sched, loss_fn, preprocess, device, bf16, max_steps=warmup)
+        step.train_epoch(batches(), max_steps=warmup)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    stats = train_epoch(model, batches(), optimizer, sched, loss_fn, preprocess, device, bf16,
-                        max_steps=steps)
+    stats = step.train_epoch(batches(), max_steps=steps)
     result = dict(images_per_s=stats.count / stats.wall_s, data_share=stats.data_s / stats.wall_s,
                   steps=stats.steps, batch=stats.count // max(stats.steps, 1), seconds=stats.wall_s,
                   peak_host_mem_gib=peak_rss_gib())
@@ -58,23 +57,18 @@ def run_steps(model, batches, optimizer, preprocess: Callable, device, bf16: boo
 
 def fast_setup(model_name: str, stem: str, batch: int, images: int, cuda: bool, compile_: bool,
                prepare_model: Optional[Callable] = None, prepare_loader: Optional[Callable] = None):
-    """This project's fast path: model, optimizer, loader factory and device augmentation."""
+    """This project's fast path, set up as `train` does (model.setup): model, optimizer, loader
+    factory and device augmentation; `prepare_model`: Ray's, else the model is moved to the device."""
     from ..config import TrainConfig
     from ..data.arrays import ArrayDataset
     from ..data.augment import DeviceAugment
     from ..data.synthetic import make_synthetic
-    from ..model.optim import build_optimizer
-    from ..model.resnet import build_model, to_device
+    from ..model.setup import model_and_optimizer
 
     device, bf16, channels_last = device_and_flags(cuda)
-    model = build_model(model_name, stem, 10)
-    if prepare_model is not None:
-        model = prepare_model(model.to(memory_format=torch.channels_last) if channels_last else model)
-    else:
-        model = to_device(model, device, channels_last)
-    optimizer = build_optimizer(model, TrainConfig(batch_size=batch, lr_ref_batch=batch), 1, device)
-    if compile_:
-        model = torch.compile(model)
+    cfg = TrainConfig(model=model_name, stem=stem, batch_size=batch, lr_ref_batch=batch, compile=compile_)
+    place = prepare_model or (lambda model, **ddp: model.to(device))
+    model, optimizer = model_and_optimizer(cfg, 10, Speed(cuda, bf16, channels_last), 1, place)
     ds = ArrayDataset(make_synthetic(images, 0, True))
 
     def batches():

@@ -28,10 +28,6 @@ from .common import BaselineRecipe, machine_busy_s, own_usage
 
 LOOPS = ("baseline", "ours")
 
-
-DDP_KWARGS = dict(gradient_as_bucket_view=True, bucket_cap_mb=25)  # as `train` (train/build.make_model)
-
-
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     loop: str             # "baseline" | "ours"
@@ -118,8 +114,7 @@ def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
     from ..config import TrainConfig
     from ..data.arrays import ArrayDataset
     from ..data.augment import DeviceAugment
-    from ..model.optim import build_optimizer
-    from ..model.resnet import build_model, unwrap
+    from ..model.setup import model_and_optimizer
     from ..train.control import StepControl, controlled_steps
     from ..train.engine import EpochSteps
     from ..train.progress import Progress
@@ -129,34 +124,30 @@ def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
     speed = Speed.choose("auto", "auto", use_gpu=cuda, cuda_available=cuda)
     if cuda:
         torch.backends.cudnn.benchmark = True
-    model = build_model(spec.model, spec.stem, spec.num_classes)
-    if speed.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    model = place.wrap_model(model, **DDP_KWARGS)
-    optimizer = build_optimizer(unwrap(model), TrainConfig(batch_size=spec.global_batch,
-                                                           lr_ref_batch=spec.global_batch),
-                                place.world, place.device)
-    scheduler = constant_scheduler(optimizer)
+    cfg = TrainConfig(model=spec.model, stem=spec.stem, batch_size=spec.global_batch, lr_ref_batch=spec.global_batch)
+    model, optimizer = model_and_optimizer(cfg, spec.num_classes, speed, place.world, place.wrap_model)
     ds = ArrayDataset(split)
     sampler = place.sampler(ds)
     loader = place.wrap_loader(DataLoader(ds, batch_size=per_rank, shuffle=sampler is None, sampler=sampler,
                                           drop_last=True, collate_fn=ds.collate_fn, pin_memory=cuda), move=True)
-    augment, loss_fn = DeviceAugment(place.device, speed.channels_last), nn.CrossEntropyLoss()
+    steps = EpochSteps(model, optimizer, constant_scheduler(optimizer), nn.CrossEntropyLoss(),
+                       DeviceAugment(place.device, speed.channels_last), place.device, speed.bf16)
     # The step control looks for a stop request in a run folder, as in `train`: a scratch one here.
     scratch = tempfile.TemporaryDirectory(prefix="rj_bench_run_")
     control = StepControl(scratch.name, place.rank == 0, place.device)
 
-    def epoch(e: int, steps: int):
-        """One epoch of `steps` steps on `train`'s per-step path: the step, rank 0's progress lines
+    def epoch(e: int, count: int):
+        """One epoch of `count` steps on `train`'s per-step path: the step, rank 0's progress lines
         (--log-every 10, as `train`'s default) and the step control's poll."""
         _set_epoch(loader, e)
-        run = EpochSteps(model, optimizer, scheduler, loss_fn, augment, place.device, speed.bf16)
-        progress = Progress("lines", e, 2, steps, 0, spec.global_batch, 10) if place.rank == 0 else None
-        for _ in controlled_steps(run, loader, steps, 0, control, progress):
-            control.take_report()
+        progress = Progress("lines", 2, count, spec.global_batch, 10) if place.rank == 0 else None
+        if progress is not None:
+            progress.start_epoch(e, 0, None)
+        for _ in controlled_steps(steps, loader, count, 0, control, progress):
+            pass
         if progress is not None:
             progress.close()
-        return run.finish()
+        return steps.finish()
     epoch.scratch = scratch  # removed when `epoch` is
     return epoch, speed.bf16
 

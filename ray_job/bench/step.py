@@ -93,13 +93,15 @@ def bench_baseline(cfg: StepConfig, cuda: bool) -> dict:
 def _ray_worker(config: dict) -> dict:
     import ray.train.torch
 
+    from ..train.build import ray_placement
+
     cfg, stem = StepConfig(**config["bench"]), config["stem"]
     torch.set_num_threads(config["threads"])
     cuda = torch.cuda.is_available() and config["cuda"]
     batch = cfg.batch_for(stem, cuda)
     model, opt, batches, aug, device, bf16 = fast_setup(
         cfg.model, stem, batch, batch * max(cfg.steps, cfg.warmup), cuda, cfg.compile,
-        prepare_model=ray.train.torch.prepare_model,
+        prepare_model=ray_placement().model,
         prepare_loader=lambda loader: ray.train.torch.prepare_data_loader(loader))
     return run_steps(model, batches, opt, aug, device, bf16, cfg.steps, cfg.warmup)
 

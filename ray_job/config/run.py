@@ -132,6 +132,9 @@ class TrainConfig:
     sync_timing: bool = _opt(False, "synchronise the GPU around each step phase so the data / forward-"
                              "backward / optimizer split is exact (a little slower; `scale` turns it on)",
                              "speed", bool_flag=True)
+    measure_comm_wait: bool = _opt(False, "after the first epoch, measure how long a step waits for DDP's "
+                                   "gradient all-reduce (comm_wait_s_per_step in metrics.jsonl; `scale` turns "
+                                   "it on)", "speed", bool_flag=True, affects_result=False)
     # --- results, checkpoints, fault tolerance ---
     storage_path: str = _opt("./results", "where runs are written: a folder (on a shared file system for "
                              "multi-node clusters), or object storage: s3://BUCKET/PREFIX (AWS or S3-"

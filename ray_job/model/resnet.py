@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torchvision
 from torch import nn
 
@@ -48,7 +47,3 @@ def gradient_bytes(model: nn.Module, bytes_per_element: int = 4) -> int:
     """Bytes all-reduced per step by DDP (every trainable parameter's gradient once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad) * bytes_per_element
 
-
-def to_device(model: nn.Module, device: torch.device, channels_last: bool) -> nn.Module:
-    model = model.to(device)
-    return model.to(memory_format=torch.channels_last) if channels_last else model

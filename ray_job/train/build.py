@@ -1,6 +1,6 @@
-"""What one worker trains with, built from the config: loaders, model, the `Run` record, and the
-run log lines (topology, the announcement, each epoch's global metrics). Ray appears only as
-prepare_model, prepare_data_loader and get_context."""
+"""What one worker trains with, built once from the config: loaders, model, the step machinery, the
+`Run` record, and the run log lines (topology, the announcement, each epoch's global metrics). Ray
+appears only as get_context and as the default `Placement` (prepare_model, prepare_data_loader)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,9 +24,10 @@ from ..cluster import raypriv
 from ..config import Speed, TrainConfig
 from ..data.augment import return_large_allocations
 from ..data.datasets import Datasets
-from ..model.resnet import build_model, gradient_bytes, unwrap
+from ..model.resnet import gradient_bytes, unwrap
+from ..model.setup import model_and_optimizer
 from .checkpointer import Resume
-from .engine import EpochStats, global_sums, peak_rss_gib
+from .engine import EpochStats, EpochSteps, global_sums, peak_rss_gib
 from .metrics import EpochMetrics
 from .runfiles import TOPOLOGY_JSON, Event
 from .runlog import RunLog
@@ -34,15 +36,43 @@ log = logging.getLogger("ray_job")
 EVAL_BATCH = 1024
 
 
-def setup_logging(rank: int) -> None:
-    """One timestamped format with the rank; rank 0 logs at INFO, the others only per-worker lines."""
+@dataclass(frozen=True)
+class Worker:
+    """This process in the group. The master process (rank 0) alone writes the run folder and logs
+    at INFO; every rank trains and reports."""
+
+    rank: int
+    world: int
+
+    @property
+    def master_process(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How the model and the loaders reach the device: Ray Train's prepare_* (`ray_placement`), or
+    by hand where there is no Ray (a test's process group)."""
+
+    model: Callable[..., Any]          # (model, **DDP kwargs) -> on the device, in DDP when world > 1
+    loader: Callable[[Any, bool], Any]  # (loader, add a DistributedSampler) -> batches on the device
+
+
+def ray_placement() -> Placement:
+    return Placement(lambda model, **ddp: ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp),
+                     lambda loader, shard: ray.train.torch.prepare_data_loader(loader, add_dist_sampler=shard))
+
+
+def setup_logging(worker: Worker) -> None:
+    """One timestamped format with the rank; the master process logs at INFO, the others only
+    per-worker lines."""
     root = logging.getLogger("ray_job")
     if not root.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s", "%H:%M:%S"))
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {worker.rank}] %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
         root.propagate = False
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.setLevel(logging.INFO if worker.master_process else logging.WARNING)
     # Ray logs every report's full metrics dict from every rank; our epoch line says it once.
     try:
         logging.getLogger(raypriv.train_context_logger_name()).setLevel(logging.WARNING)
@@ -57,36 +87,19 @@ def run_store(cfg: TrainConfig) -> storage.Location:
     return storage.Location(storage.unwrap(ctx.storage_filesystem), ctx.experiment_fs_path, cfg.run_dir())
 
 
-def make_loaders(cfg: TrainConfig, data: Datasets, rank: int, world: int, use_cuda: bool):
+def make_loaders(cfg: TrainConfig, data: Datasets, worker: Worker, use_cuda: bool, place: Placement):
     # per-sample CPU work (decoding, resizing, PIL transforms) runs in DataLoader worker processes
     workers = cfg.loader_workers if cfg.loader_workers >= 0 else (2 if data.cpu_work else 0)
     common = dict(num_workers=workers, pin_memory=use_cuda, persistent_workers=workers > 0)
     if workers:
         return_large_allocations()
     train_ds, test_ds = data.train, data.test
-    train = DataLoader(train_ds, batch_size=cfg.per_worker_batch(world), shuffle=True,
+    train = DataLoader(train_ds, batch_size=cfg.per_worker_batch(worker.world), shuffle=True,
                        drop_last=True, collate_fn=train_ds.collate_fn, **common)
     # Test shards without DistributedSampler's padding, so every image is counted exactly once.
-    test = DataLoader(test_ds, batch_size=EVAL_BATCH, sampler=range(rank, len(test_ds), world),
+    test = DataLoader(test_ds, batch_size=EVAL_BATCH, sampler=range(worker.rank, len(test_ds), worker.world),
                       collate_fn=test_ds.collate_fn, **common)
-    train = ray.train.torch.prepare_data_loader(train)
-    test = ray.train.torch.prepare_data_loader(test, add_dist_sampler=False)
-    return train, test
-
-
-def make_model(cfg: TrainConfig, num_classes: int, channels_last: bool):
-    model = build_model(cfg.model, cfg.stem, num_classes)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    # Gradients as views into DDP's buckets save a copy per step; compiled backward graphs may
-    # lay gradients out differently from the buckets, which would undo that, so not with --compile.
-    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=dict(
-        gradient_as_bucket_view=not cfg.compile, bucket_cap_mb=cfg.ddp_bucket_mb))
-    if cfg.grad_compression == "bf16" and hasattr(model, "register_comm_hook"):
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    return model
+    return place.loader(train, True), place.loader(test, False)
 
 
 def first_error(error: Optional[str], world: int) -> Optional[str]:
@@ -100,9 +113,10 @@ def first_error(error: Optional[str], world: int) -> Optional[str]:
 
 @dataclass
 class Run:
-    """What one worker trains with. `is_rank0` alone decides the side effects (files, logs)."""
+    """What one worker trains with. `master_process` alone decides the side effects (files, logs)."""
 
     cfg: TrainConfig
+    worker: Worker
     model: Any
     optimizer: torch.optim.Optimizer
     scheduler: Any
@@ -110,13 +124,19 @@ class Run:
     test_loader: Any
     device: torch.device
     speed: Speed
-    world: int
     steps_per_epoch: int
-    device_augment: str      # Datasets.device_augment: what the device does with a batch
+    steps: EpochSteps        # the training step, with the model, optimizer, schedule, loss, preprocessing
     data_what: str           # the data path, for the run log
-    is_rank0: bool
     store: storage.Location  # the run folder
-    files: Optional[RunLog]  # rank 0's writer of the run folder; None elsewhere
+    files: Optional[RunLog]  # the master process's writer of the run folder; None elsewhere
+
+    @property
+    def world(self) -> int:
+        return self.worker.world
+
+    @property
+    def master_process(self) -> bool:
+        return self.worker.master_process
 
     def state(self, epoch: int, step: int, metrics: Optional[EpochMetrics]) -> dict:
         """Keyword arguments of save_checkpoint for this position."""
@@ -138,7 +158,7 @@ def log_topology(run: Run, backend: str) -> None:
     if run.world > 1:
         everyone = [None] * run.world
         dist.all_gather_object(everyone, me)
-    if not run.is_rank0:
+    if not run.master_process:
         return
     nodes = sorted({w["node_id"] for w in everyone})  # Ray nodes, even when they share an IP
     master = f"{os.environ.get('MASTER_ADDR', everyone[0]['node_ip'])}:{os.environ.get('MASTER_PORT', '?')}"
@@ -198,38 +218,38 @@ def announce(run: Run, resume: Resume) -> None:
              run.data_what)
 
 
-def build_run(cfg: TrainConfig, data: Datasets, resume: Resume, rank: int, world: int,
-              store: storage.Location, files: Optional[RunLog]) -> Run:
-    """Loaders, model (placed, wrapped, restored), optimizer and the LR schedule at the resumed
-    position: everything a worker trains with."""
+def build_run(cfg: TrainConfig, data: Datasets, resume: Resume, worker: Worker, store: storage.Location,
+              files: Optional[RunLog], place: Placement) -> Run:
+    """Loaders, model (placed, wrapped, restored), optimizer, the LR schedule at the resumed
+    position and the training step: everything a worker trains with."""
     from .checkpoint import restore_training_state
-    from ..model.optim import build_optimizer, build_scheduler
+    from ..model.optim import build_scheduler
 
     speed = Speed.of(cfg, torch.cuda.is_available())
     if speed.cuda:
         torch.backends.cudnn.benchmark = True
-    train_loader, test_loader = make_loaders(cfg, data, rank, world, speed.cuda)
-    model = make_model(cfg, data.num_classes, speed.channels_last)
+    train_loader, test_loader = make_loaders(cfg, data, worker, speed.cuda, place)
+    model, optimizer = model_and_optimizer(cfg, data.num_classes, speed, worker.world, place.model)
     device = next(model.parameters()).device
     steps = len(train_loader) if not cfg.steps_per_epoch else min(cfg.steps_per_epoch, len(train_loader))
-    optimizer = build_optimizer(unwrap(model), cfg, world, device)
     if resume.state is not None:  # the schedule is placed by position below, not by its state
         restore_training_state(resume.state, model=model, optimizer=optimizer)
     for group in optimizer.param_groups:  # the peak LR of *this* world size, not the checkpoint's
-        group["lr"] = group["initial_lr"] = cfg.scaled_lr(world)
+        group["lr"] = group["initial_lr"] = cfg.scaled_lr(worker.world)
     scheduler = build_scheduler(optimizer, cfg, steps, start_step=resume.epoch * steps + resume.step)
-    if cfg.compile:
-        model = torch.compile(model)
-    return Run(cfg, model, optimizer, scheduler, train_loader, test_loader, device, speed, world, steps,
-               data.device_augment, data.what, is_rank0=rank == 0, store=store,
-               files=files)
+    step = EpochSteps(model, optimizer, scheduler, torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+                      preprocess_for(data.device_augment, device, speed.channels_last), device, speed.bf16,
+                      cfg.sync_timing)
+    return Run(cfg, worker, model, optimizer, scheduler, train_loader, test_loader, device, speed, steps, step,
+               data.what, store, files)
 
 
-def preprocess_for(run: Run):
-    """What a batch goes through on the device: crop/flip/normalise, or normalise only."""
+def preprocess_for(device_augment: str, device: torch.device, channels_last: bool):
+    """What a batch goes through on the device (Datasets.device_augment): crop/flip/normalise, or
+    normalise only."""
     from ..data.augment import DeviceAugment
 
-    if run.device_augment != "none":
-        return DeviceAugment(run.device, run.speed.channels_last, crop=run.device_augment == "crop")
-    memory_format = torch.channels_last if run.speed.channels_last else torch.contiguous_format
+    if device_augment != "none":
+        return DeviceAugment(device, channels_last, crop=device_augment == "crop")
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
     return lambda x, train: x.contiguous(memory_format=memory_format)

@@ -39,7 +39,7 @@ class CheckpointError(UsageError):
 def training_state(*, model: torch.nn.Module, optimizer, epoch: int, step: int, config: dict,
                    metrics: dict, world_size: int = 1) -> dict:
     """What a checkpoint file holds; `epoch` counts finished epochs, `step` the steps into the next.
-    Its tensors are the live ones: `uploader.snapshot()` copies them to keep them.
+    Its tensors are the live ones: `uploader.Snapshot` copies them to keep them.
 
     The LR schedule is not saved: it is a pure function of the position (epoch, step).
     """

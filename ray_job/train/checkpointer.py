@@ -4,7 +4,7 @@ Saving (rank 0 writes, every rank reports: Ray's report is a barrier): the state
 folder of the run folder and verified there, with its manifest last (checkpoint.py), then recorded
 as `checkpoint_saved` in events.jsonl, and only then reported to Ray -- so a partial checkpoint is
 never the latest. One that cannot be saved (storage unreachable, disk full) is logged
-as `checkpoint_failed` and skipped, and training goes on; the `last` one (end of the run, a stop
+as `checkpoint_failed` and skipped, and training goes on; the `final` one (end of the run, a stop
 request) is retried for up to --retry-storage-s, and its error is returned if it still fails.
 
 Resuming: the candidates are this run's checkpoints that were saved completely (their
@@ -13,11 +13,12 @@ verifies, passing over damaged ones with a line each (`checkpoint_skipped`), and
 the one rank 0 chose. Without any, `--resume-from`; without that, a fresh start. When every
 checkpoint of the run is damaged, that is bad input (exit 2), never a silent restart from scratch.
 
-Retention is Ray's (`retention()`: the --keep-checkpoints best by test accuracy, and the latest).
+Retention is Ray's (`retention()`: the --keep-checkpoints best by SCORE, and the latest).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -29,9 +30,15 @@ from ..storage import Location, StorageError
 from .checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint, training_state, write_checkpoint
 from .runfiles import CHECKPOINT_PREFIX, EVENTS_JSONL, Event
 from .runlog import RunLog
-from .uploader import Upload, snapshot
+from .uploader import Snapshot, Upload
 
 log = logging.getLogger("ray_job")
+
+# What ranks checkpoints for retention (Ray's CheckpointConfig) and for the best one: each epoch's
+# test accuracy, highest first. A checkpoint taken mid-epoch has none: it reports UNSCORED, below
+# any accuracy, so it is kept only as the latest, never as the best.
+SCORE_METRIC, SCORE_ORDER = "test_acc", "max"
+UNSCORED = -1.0
 
 
 @dataclass
@@ -49,6 +56,23 @@ class RayLink:
 
     new_dir_name: Callable[[], str]
     report: Callable[[dict, Optional[str]], None]
+
+
+_NAMES = itertools.count(1)  # in time order within a process, even within one second
+
+
+class LocalReports:
+    """A RayLink without Ray (`bench checkpoints`, tests): folder names as Ray makes them, in time
+    order, and every report kept in `calls` as (metrics, path or None)."""
+
+    def __init__(self):
+        self.calls: list[tuple[dict, Optional[str]]] = []
+
+    def link(self) -> RayLink:
+        def new_dir_name() -> str:
+            return time.strftime(f"{CHECKPOINT_PREFIX}%Y-%m-%d_%H-%M-%S.") + f"{next(_NAMES):06d}"
+
+        return RayLink(new_dir_name, lambda metrics, path: self.calls.append((metrics, path)))
 
 
 def where(epoch: int, step: int) -> str:
@@ -73,62 +97,63 @@ def newest_saved_checkpoint(store: Location) -> Optional[str]:
 
 
 class Checkpointer:
-    """One run's checkpoints, on every rank (only rank 0 writes; every rank reports).
+    """One run's checkpoints, on every rank: the master process (rank 0) writes, every rank
+    reports (`files`: the master process's run log, which records each checkpoint).
 
     Asynchronous by default: `save()` takes a snapshot and returns; the write, upload and check go
-    on in the background (uploader.py), and the checkpoint is reported -- with the metrics it was
-    saved with -- by `report_saved()`, which every rank calls once the step control has told them
-    that rank 0's upload is over (so all ranks report at the same step). A `last` checkpoint (end
-    of the run, a stop request) is written before save() returns. Rank 0 starts a new upload only
-    when the previous one has been reported: the step control asks `idle()` before it lets a timed
-    checkpoint fall due, and waits for the upload (`wait()`) at an epoch's end and before a stop.
+    on in the background (uploader.py). Once the upload is over (`upload_over()`, on rank 0), every
+    rank calls `report_saved()` at the same step, which reports it with the metrics it was saved
+    with. Until then the checkpointer is `busy()`, and a new checkpoint must not start;
+    `wait_for_upload()` lets rank 0 wait for it. A `final` checkpoint (end of the run, a stop
+    request) is written before save() returns.
     """
 
-    def __init__(self, store: Location, ray: RayLink, is_rank0: bool, files: Optional[RunLog],
+    def __init__(self, store: Location, ray: RayLink, master_process: bool, files: Optional[RunLog],
                  retry_storage_s: float, asynchronous: bool = True):
-        self.store, self.ray, self.is_rank0 = store, ray, is_rank0
+        self.store, self.ray, self.master_process = store, ray, master_process
         self.files, self.retry_storage_s, self.asynchronous = files, retry_storage_s, asynchronous
         self._upload: Optional[Upload] = None   # rank 0: in flight, or done and not yet reported
         self._metrics: dict = {}
         self._last_snapshot = None  # rank 0: the next snapshot is copied into it (its upload was reported)
 
-    # --- rank 0's state, for the step control ---
-    def idle(self) -> bool:
-        return self._upload is None
+    # --- the master process's upload ---
+    def busy(self) -> bool:
+        """An upload is in flight, or over and not yet reported."""
+        return self._upload is not None
 
-    def saved(self) -> bool:
-        """An upload is over (saved or not) and waits for its report."""
+    def upload_over(self) -> bool:
+        """An upload is over (saved or failed) and waits for its report."""
         return self._upload is not None and self._upload.done()
 
-    def wait(self) -> None:
+    def wait_for_upload(self) -> None:
         if self._upload is not None:
             self._upload.wait()
 
     # --- saving ---
-    def save(self, state: Callable[[], dict], metrics: dict, last: bool = False) -> Optional[str]:
+    def save(self, state: Callable[[], dict], metrics: dict, final: bool = False) -> Optional[str]:
         """Every rank calls this at the same point, with nothing unreported. `state()` builds
-        training_state()'s arguments (rank 0 only calls it). Returns the error of a `last`
+        training_state()'s arguments (rank 0 only calls it). Returns the error of a `final`
         checkpoint that was not saved (after --retry-storage-s)."""
-        if not last and self.asynchronous:
-            if self.is_rank0:
+        if not final and self.asynchronous:
+            if self.master_process:
                 assert self._upload is None, "a checkpoint started before the previous one was reported"
                 name = self.ray.new_dir_name()
-                snap = snapshot(training_state(**state()), into=self._last_snapshot)
+                snap = Snapshot(training_state(**state()), into=self._last_snapshot)
                 self._last_snapshot, self._metrics = snap.state, metrics
                 self._upload = Upload(lambda: self._write(name, snap.wait(), 0.0))
             return None
         path, error = None, None
-        if self.is_rank0:
+        if self.master_process:
             path, error = self._write(self.ray.new_dir_name(), training_state(**state()),
-                                      self.retry_storage_s if last else 0.0)
+                                      self.retry_storage_s if final else 0.0)
         self.ray.report(metrics, path)
-        return error if last else None
+        return error if final else None
 
     def report_saved(self) -> None:
         """Every rank, at the same step: reports rank 0's finished upload (without a checkpoint if
         it failed: the metrics still count)."""
         path, metrics = None, {}
-        if self.is_rank0:
+        if self.master_process:
             path, _ = self._upload.result()
             metrics, self._upload = self._metrics, None
         self.ray.report(metrics, path)
@@ -168,8 +193,7 @@ class Checkpointer:
             except CheckpointError as e:
                 problems.append(str(e))
                 log.warning("skipping checkpoint %s: %s", name, e)
-                if self.files is not None:
-                    self.files.event(Event.CHECKPOINT_SKIPPED, checkpoint=name, error=str(e))
+                self.files.event(Event.CHECKPOINT_SKIPPED, checkpoint=name, error=str(e))
                 continue
             if name != recorded and (recorded is None or name > recorded):
                 log.info("resuming from %s: saved completely, but Ray has no record of it (the driver "
@@ -197,6 +221,6 @@ class Checkpointer:
 
     @staticmethod
     def retention(keep: int) -> dict:
-        """Ray's CheckpointConfig arguments: the `keep` best by test accuracy (and the latest)."""
-        return dict(num_to_keep=keep, checkpoint_score_attribute="test_acc", checkpoint_score_order="max")
+        """Ray's CheckpointConfig arguments: the `keep` best by SCORE (and the latest)."""
+        return dict(num_to_keep=keep, checkpoint_score_attribute=SCORE_METRIC, checkpoint_score_order=SCORE_ORDER)
 

@@ -1,21 +1,21 @@
-"""Step control: after every step, the same answer on every rank -- go on, checkpoint here, or
-stop here -- without stalling the device. The loop acts on the answer; nothing here saves or
-reports anything.
+"""Step control: after every step, one answer, the same on every rank -- a `Decision` -- without
+stalling the device. The training loop acts on it (worker.py); nothing here saves or reports.
 
-Every POLL_EVERY steps rank 0 looks at the stop request (stop.py) and its checkpoint clock, and an
-asynchronous all-reduce (MAX; only rank 0 contributes) starts; POLL_LAG steps later every rank
-reads the answer from a host copy made on the device's queue (long done by then). So every rank
-stops, or checkpoints, at the same step. On object storage rank 0 looks at the request from a
+Every POLL_EVERY steps rank 0 (the master process) puts its flags into an asynchronous all-reduce
+(MAX; only rank 0 contributes): a stop was requested (stop.py), its checkpoint clock has run out
+while no upload is in flight, its background upload is over. POLL_LAG steps later every rank reads
+the answer from a host copy made on the device's queue (long done by then), so every rank stops,
+checkpoints or reports at the same step. On object storage rank 0 looks at the request from a
 thread (`Watcher`), so no step waits for the network.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,10 +32,17 @@ WATCH_EVERY_S = 1.0  # on object storage, rank 0 looks from a thread this often
 log = logging.getLogger("ray_job.stop")
 
 
-class Action(enum.Enum):
-    CONTINUE = "continue"
-    CHECKPOINT = "checkpoint"   # the timed checkpoint (--checkpoint-every-min) is due at this step
-    STOP = "stop"               # a stop was requested: checkpoint here and stop
+@dataclass(frozen=True)
+class Decision:
+    """What every rank does after a step, in this order: report rank 0's finished upload, then
+    checkpoint here; and stop after that checkpoint."""
+
+    stop: bool = False          # a stop was requested: checkpoint here and stop
+    checkpoint: bool = False    # a checkpoint is due here (the timed one, or an epoch's own)
+    report_saved: bool = False  # rank 0's background upload is over: every rank reports it now
+
+
+GO_ON = Decision()
 
 
 class Watcher:
@@ -69,31 +76,29 @@ class Watcher:
 
 
 class StepControl:
-    """`after_step(step)`: the Action for this step, the same on every rank (every rank calls it
-    after the same steps). With `checkpoint_every_s`, rank 0's clock decides when a timed
-    checkpoint is due; `checkpointed()` restarts that clock. `at_epoch_end()`: was a stop asked?
+    """`after_step(step, steps_in_epoch)`: the Decision after that step (every rank calls it after
+    the same steps). `look_now()`: a blocking look at an epoch's end or before a stop's checkpoint.
 
-    The same poll carries rank 0's checkpoint uploads (`saver`: the Checkpointer): SAVED when an
-    upload is over, so that every rank reports it at the same step (`take_report()`), and a timed
-    checkpoint falls due only while no upload is in flight. At an epoch's end and before a stop
-    (`settle()`) rank 0 first waits for its upload, so the checkpoint that follows never waits.
+    Rank 0's flags come from the stop request and from plain callables: `busy()` (an upload is in
+    flight or unreported: no timed checkpoint falls due meanwhile) and `upload_over()` (an upload
+    is over and waits for its report). With `checkpoint_every_s`, rank 0's clock decides when a
+    timed checkpoint is due; `checkpointed()` restarts it.
     """
 
     STOP, CHECKPOINT, SAVED = 1, 2, 4
 
-    def __init__(self, run_dir: Where, is_rank0: bool, device: torch.device,
+    def __init__(self, run_dir: Where, master_process: bool, device: torch.device,
                  every: int = POLL_EVERY, lag: int = POLL_LAG, checkpoint_every_s: float = 0.0,
-                 saver=None):
-        self.is_rank0, self.device = is_rank0, device
+                 busy: Callable[[], bool] = lambda: False, upload_over: Callable[[], bool] = lambda: False):
+        self.master_process, self.device = master_process, device
         self.every, self.lag = every, max(0, min(lag, every - 1))
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.checkpoint_every_s = checkpoint_every_s
-        self.checkpoint_due = self.report_due = False
-        self.saver = saver
+        self.busy, self.upload_over = busy, upload_over
         self._last_checkpoint = time.monotonic()
         self._pending: Optional[tuple] = None  # (step to read at, work, host tensor, event)
         self._watcher: Optional[Watcher] = None
-        if is_rank0 and not at(run_dir).is_local:
+        if master_process and not at(run_dir).is_local:
             self._watcher = Watcher(run_dir)
         self._look = self._watcher or (lambda: stop.requested(run_dir))
 
@@ -103,71 +108,49 @@ class StepControl:
 
     def checkpointed(self) -> None:
         """A checkpoint was just saved: the clock for the next timed one starts now."""
-        self.checkpoint_due = False
         self._last_checkpoint = time.monotonic()
 
-    def after_step(self, step: int, steps_in_epoch: int) -> Action:
-        """After step `step` of an epoch of `steps_in_epoch`: STOP, CHECKPOINT (a timed one due
-        before the epoch's last step, whose own checkpoint comes anyway) or CONTINUE."""
-        if self._poll(step):
-            return Action.STOP
-        if self.checkpoint_due and step < steps_in_epoch:
-            return Action.CHECKPOINT
-        return Action.CONTINUE
+    def after_step(self, step: int, steps_in_epoch: int) -> Decision:
+        """After step `step` of an epoch of `steps_in_epoch`: GO_ON, or what rank 0's flags say (a
+        timed checkpoint only before the epoch's last step, whose own checkpoint comes anyway)."""
+        flags = self._poll(step)
+        if not flags:
+            return GO_ON
+        stopping = bool(flags & self.STOP)
+        return Decision(stop=stopping, report_saved=bool(flags & self.SAVED),
+                        checkpoint=bool(flags & self.CHECKPOINT) and not stopping and step < steps_in_epoch)
 
-    def _poll(self, step: int) -> bool:
+    def _poll(self, step: int) -> int:
         if not self.distributed:
-            return step % self.every == 0 and self._answer(self._flags())
-        answer = False
+            return self._flags() if step % self.every == 0 else 0
+        flags = 0
         if self._pending is not None and step >= self._pending[0]:
-            answer = self._answer(self._read())
+            flags = self._read()
         if step % self.every == 0 and self._pending is None:
             self._start(step)
             if self.lag == 0:
-                answer = self._answer(self._read())
-        return answer
+                flags = self._read()
+        return flags
 
-    def take_report(self) -> bool:
-        """Whether rank 0's finished upload is to be reported now (every rank gets the same)."""
-        due, self.report_due = self.report_due, False
-        return due
-
-    def at_epoch_end(self) -> bool:
-        """At the end of an epoch: was a stop asked, by a poll still in flight or by a fresh one
-        (so an epoch shorter than `every` steps still looks)? The fresh one follows rank 0's wait
-        for its upload, so `take_report()` then tells whether it is to be reported before the
-        epoch's own checkpoint. A timed checkpoint falls due no earlier than the epoch's own."""
-        stop = self._pending is not None and bool(self._answer(self._read()))
-        stop = self.settle() or stop
-        self.checkpoint_due = False
-        return stop
-
-    def settle(self) -> bool:
-        """A blocking look after rank 0 has waited for its upload: was a stop asked? `take_report()`
-        then tells whether the upload is to be reported."""
-        if self.is_rank0 and self.saver is not None:
-            self.saver.wait()
-        if not self.distributed:
-            return self._answer(self._flags())
-        self._start(-1)
-        return self._answer(self._read())
+    def look_now(self) -> Decision:
+        """A blocking look, after a poll still in flight (so an epoch shorter than `every` steps
+        still looks): was a stop asked, is an upload over? Never a timed checkpoint. The caller
+        has let rank 0 wait for its upload first, so the checkpoint that follows never waits."""
+        flags = self._read() if self._pending is not None else 0
+        if self.distributed:
+            self._start(-1)
+            flags |= self._read()
+        else:
+            flags |= self._flags()
+        return Decision(stop=bool(flags & self.STOP), report_saved=bool(flags & self.SAVED))
 
     def _flags(self) -> int:
-        """Rank 0's view: the stop request and the checkpoint clock (0 on the other ranks)."""
-        if not self.is_rank0:
+        """Rank 0's view: the stop request, the checkpoint clock, its upload (0 on the other ranks)."""
+        if not self.master_process:
             return 0
         due = self.checkpoint_every_s > 0 and time.monotonic() - self._last_checkpoint >= self.checkpoint_every_s
-        idle = self.saver is None or self.saver.idle()
-        saved = self.saver is not None and self.saver.saved()
-        return ((self.STOP if self._look() else 0) | (self.CHECKPOINT if due and idle else 0)
-                | (self.SAVED if saved else 0))
-
-    def _answer(self, flags: int) -> bool:
-        if flags & self.CHECKPOINT:
-            self.checkpoint_due = True
-        if flags & self.SAVED:
-            self.report_due = True
-        return bool(flags & self.STOP)
+        return ((self.STOP if self._look() else 0) | (self.CHECKPOINT if due and not self.busy() else 0)
+                | (self.SAVED if self.upload_over() else 0))
 
     def _start(self, step: int) -> None:
         flag = torch.tensor([self._flags()], dtype=torch.int32, device=self.device)
@@ -194,9 +177,9 @@ class StepControl:
 
 
 def controlled_steps(steps: EpochSteps, batches: Iterable, max_steps: int, skip: int, control: StepControl,
-                     progress=None) -> Iterator[tuple[Step, Action]]:
+                     progress=None) -> Iterator[tuple[Step, Decision]]:
     """The per-step path of `train` (and of `bench vs-ddp`'s "ours"): each step of the epoch, rank
-    0's progress display (`progress`, None on the other ranks), and the step control's answer."""
+    0's progress display (`progress`, None on the other ranks), and the step control's Decision."""
     for step in steps.run(batches, max_steps, skip):
         if progress is not None:
             progress.on_step(step)

@@ -57,9 +57,9 @@ class Step:
 
 
 class EpochSteps:
-    """Trains over (a shard of) one epoch, one optimizer step at a time: `run()` yields after
-    each step, and the caller may stop iterating (a stop request) at any step; `finish()` then
-    returns the epoch's EpochStats. Plain PyTorch, no Ray.
+    """Trains one epoch at a time, one optimizer step at a time; built once per run. `run()` yields
+    after each step, and the caller may stop iterating (a stop request) at any step; `finish()`
+    then returns that epoch's EpochStats. Plain PyTorch, no Ray.
 
     With `sync_timing` the device is synchronised around each phase so the split is exact."""
 
@@ -68,12 +68,13 @@ class EpochSteps:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loss_fn, self.preprocess, self.device = loss_fn, preprocess, device
         self.bf16, self.sync_timing = bf16, sync_timing
-        self.stats = EpochStats()
-        self._loss_sum = self._correct = 0
+        self.stats, self._loss_sum, self._correct = EpochStats(), 0, 0
         self._start = time.perf_counter()
 
     def run(self, batches: Iterable, max_steps: int = 0, skip_steps: int = 0) -> Iterator[Step]:
-        """Steps over `batches`, skipping the first `skip_steps` and stopping after `max_steps`."""
+        """A new epoch's steps over `batches`, skipping the first `skip_steps` and stopping after
+        `max_steps`."""
+        self.stats, self._loss_sum, self._correct = EpochStats(), 0, 0
         self.model.train()
         it = iter(batches)
         if skip_steps:
@@ -121,16 +122,11 @@ class EpochSteps:
         self.stats.wall_s = time.perf_counter() - self._start
         return self.stats
 
-
-def train_epoch(model: nn.Module, batches: Iterable, optimizer: torch.optim.Optimizer,
-                scheduler, loss_fn: Callable, preprocess: Callable, device: torch.device,
-                bf16: bool = False, max_steps: int = 0, skip_steps: int = 0,
-                sync_timing: bool = False) -> EpochStats:
-    """One whole epoch (or `max_steps` of it) with nothing in between the steps: benchmarks."""
-    epoch = EpochSteps(model, optimizer, scheduler, loss_fn, preprocess, device, bf16, sync_timing)
-    for _ in epoch.run(batches, max_steps, skip_steps):
-        pass
-    return epoch.finish()
+    def train_epoch(self, batches: Iterable, max_steps: int = 0, skip_steps: int = 0) -> EpochStats:
+        """One whole epoch (or `max_steps` of it) with nothing in between the steps: benchmarks."""
+        for _ in self.run(batches, max_steps, skip_steps):
+            pass
+        return self.finish()
 
 
 @torch.no_grad()
@@ -169,19 +165,21 @@ def global_sums(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def measure_comm_wait(model: nn.Module, batch, loss_fn: Callable, preprocess: Callable,
-                      device: torch.device, bf16: bool, repeats: int = 3) -> float:
-    """Seconds per step spent waiting for DDP's gradient all-reduce.
+def measure_comm_wait(steps: EpochSteps, batch, repeats: int = 3) -> float:
+    """Seconds per step spent waiting for DDP's gradient all-reduce, with the model and loss of
+    `steps`.
 
     Times forward+backward with gradient sync and without (`no_sync`), on the same batch; the
-    difference is the communication the backward pass could not hide. BatchNorm statistics are
-    restored afterwards so the measurement does not change training. Returns 0 without DDP.
+    difference is the communication the backward pass could not hide. The batch is not augmented
+    (no random draw) and BatchNorm statistics are restored afterwards, so the measurement does not
+    change training. Returns 0 without DDP.
     """
+    model, device = steps.model, steps.device
     if not hasattr(model, "no_sync"):
         return 0.0
     buffers = {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
     images, labels = batch
-    x = preprocess(images, True)
+    x = steps.preprocess(images, False)
 
     def timed(sync_grads: bool) -> float:
         best = math.inf
@@ -190,8 +188,8 @@ def measure_comm_wait(model: nn.Module, batch, loss_fn: Callable, preprocess: Ca
             _sync(device, True)
             t = time.perf_counter()
             with ctx:
-                with autocast_context(device, bf16):
-                    loss = loss_fn(model(x), labels)
+                with autocast_context(device, steps.bf16):
+                    loss = steps.loss_fn(model(x), labels)
                 loss.backward()
             _sync(device, True)
             best = min(best, time.perf_counter() - t)

@@ -28,22 +28,26 @@ def hms(seconds: float) -> str:
 
 
 class Progress:
-    """Called after every step of one epoch on rank 0 (`on_step`), closed at the epoch's end."""
+    """Rank 0's display over a run, built once: `start_epoch()` at each epoch's start, `on_step`
+    after every step, `close()` at the epoch's end."""
 
-    def __init__(self, mode: str, epoch: int, epochs: int, steps: int, start_step: int,
-                 global_batch: int, log_every: int, eval_s: Optional[float] = None,
+    def __init__(self, mode: str, epochs: int, steps: int, global_batch: int, log_every: int,
                  every_s: float = EVERY_S):
-        self.epoch, self.epochs, self.steps = epoch, epochs, steps
-        self.global_batch, self.log_every = global_batch, log_every
-        self.eval_s, self.every_s = eval_s or 0.0, every_s
+        self.mode, self.epochs, self.steps = mode, epochs, steps
+        self.global_batch, self.log_every, self.every_s = global_batch, log_every, every_s
+        self.bar = None
+
+    def start_epoch(self, epoch: int, start_step: int, eval_s: Optional[float]) -> None:
+        """Epoch `epoch` (0-based) starts at `start_step`; an evaluation takes about `eval_s`."""
+        self.epoch, self.eval_s = epoch, eval_s or 0.0
         self.started = time.perf_counter()
         self.last_print = 0.0
         self.done = 0  # steps taken in this process (the first ones may be resumed past)
         self.bar = None
-        if mode == "bar":
+        if self.mode == "bar":
             from ray.experimental.tqdm_ray import tqdm
 
-            self.bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", unit="step")
+            self.bar = tqdm(total=self.steps, desc=f"epoch {epoch + 1}/{self.epochs}", unit="step")
             self.bar.n = start_step
 
     def figures(self, step: int, loss: float, data_s: float, compute_s: float) -> str:

@@ -24,4 +24,3 @@ class Event:
     CHECKPOINT_SAVED = "checkpoint_saved"      # checkpoint (folder name), epoch, step, bytes, upload_s, cpu_s
     CHECKPOINT_FAILED = "checkpoint_failed"    # epoch, step, error
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a damaged checkpoint passed over at resume: folder, why
-    STOPPED = "stopped"                        # a stop request honoured: epoch, step, reason

@@ -71,10 +71,6 @@ class RunLog:
         except FileNotFoundError:
             return []
 
-    def path(self, name: str) -> str:
-        """The file's local path or URI (for messages)."""
-        return self.store.join(name).uri
-
     def history(self) -> list[EpochMetrics]:
         with self._lock:
             return [EpochMetrics.from_dict(loads(line)) for line in self._lines[METRICS_JSONL]]

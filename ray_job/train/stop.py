@@ -96,11 +96,6 @@ def stop_on_signals(run_dir: Where, signums=tuple(SIGNALS)):
             signal.signal(s, handler)
 
 
-def stop_on_usr1(run_dir: Where) -> None:
-    """SIGUSR1 alone is a stop request from now on (the sweep's own handler)."""
-    signal.signal(signal.SIGUSR1, Signals(run_dir).handle)
-
-
 def _request_until_written(run_dir: Where, every_s: float = 2.0) -> None:
     while True:
         time.sleep(every_s)

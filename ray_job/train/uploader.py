@@ -1,7 +1,7 @@
 """Asynchronous checkpoints: the step waits only for a snapshot of the training state in host
 memory; a thread writes it into the run folder and verifies it while training goes on.
 
-`snapshot(state, into=previous)` copies every tensor off the live model and optimizer into host
+`Snapshot(state, into=previous)` copies every tensor off the live model and optimizer into host
 memory (pinned for a GPU's tensors, copied without blocking on the current stream; the thread waits
 for an event before it reads them). The GPU's queue never drains for a checkpoint, and the next
 optimizer step cannot change what is being saved. The copy goes into the previous snapshot's
@@ -55,10 +55,6 @@ class Snapshot:
         if self._event is not None:
             self._event.synchronize()
         return self.state
-
-
-def snapshot(state: Any, into: Any = None) -> Snapshot:
-    return Snapshot(state, into)
 
 
 class Upload(Generic[T]):

@@ -1,19 +1,20 @@
 """The per-worker training function that TorchTrainer runs on every rank, top to bottom.
 
-Ray appears only where it must: prepare_model and prepare_data_loader (build.py), get_context,
-get_checkpoint and report. An epoch is plain PyTorch (engine.py); after each step the step control
-answers CONTINUE, CHECKPOINT or STOP (control.py) and this loop acts on it; the checkpointer saves,
-verifies, records and reports each checkpoint (checkpointer.py).
+Ray appears only where it must: prepare_model and prepare_data_loader (build.ray_placement),
+get_context, get_checkpoint and report (`ray_link`); from `train_run` down it runs without Ray
+(tests/test_worker_loop.py). After each step the step control answers one `Decision` (control.py)
+and `Loop.act` carries it out; the checkpointer saves, verifies, records and reports (checkpointer.py).
 
 Storage faults: a checkpoint that cannot be saved is logged and skipped -- never reported, so never
 taken as the latest -- and training goes on; the next checkpoint tries again, and the run files
-catch up once the storage is back. The last checkpoint (end of run, stop request) is retried for up
+catch up once the storage is back. The final checkpoint (end of run, stop request) is retried for up
 to --retry-storage-s seconds; if it still fails, the run ends with that error and the same command
 later resumes from the last checkpoint that was saved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from functools import partial
 from typing import Optional
@@ -27,11 +28,11 @@ from ..config import TrainConfig
 from ..core.errors import UsageError
 from ..core.jsonio import finite
 from ..data.datasets import load_datasets
-from .build import (Run, announce, build_run, epoch_metrics, first_error, log_topology, preprocess_for, run_store,
-                    setup_logging)
-from .checkpointer import Checkpointer, RayLink, Resume, where
-from .control import Action, StepControl, controlled_steps
-from .engine import EpochSteps, evaluate, measure_comm_wait
+from .build import (Run, Worker, announce, build_run, epoch_metrics, first_error, log_topology, ray_placement,
+                    run_store, setup_logging)
+from .checkpointer import UNSCORED, Checkpointer, RayLink, Resume, where
+from .control import GO_ON, Decision, StepControl, controlled_steps
+from .engine import EpochStats, evaluate, measure_comm_wait
 from .metrics import EpochMetrics
 from .progress import Progress
 from .runfiles import Event
@@ -56,127 +57,163 @@ def ray_link() -> RayLink:
 def train_loop_per_worker(config: dict) -> dict:
     cfg = TrainConfig(**config)
     ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    setup_logging(rank)
-    torch.manual_seed(cfg.seed + rank)
+    worker = Worker(ctx.get_world_rank(), ctx.get_world_size())
+    setup_logging(worker)
+    torch.manual_seed(cfg.seed + worker.rank)
     torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
     store = run_store(cfg)
-    files = RunLog(store) if rank == 0 else None  # rank 0's writer of the run folder
-    checkpointer = Checkpointer(store, ray_link(), rank == 0, files, cfg.retry_storage_s, cfg.async_checkpoints)
+    files = RunLog(store) if worker.master_process else None
+    checkpointer = Checkpointer(store, ray_link(), worker.master_process, files, cfg.retry_storage_s,
+                                cfg.async_checkpoints)
     # Bad input found here (data, checkpoint) is no fault a restart fixes: every rank learns of
     # it before the first collective of DDP, and the run ends at once with the driver's error.
     error, data, resume = None, None, Resume()
     try:
         data = load_datasets(cfg)
-        resume = resume_state(cfg, checkpointer, rank, world)
+        resume = resume_state(cfg, checkpointer, worker)
     except UsageError as e:
         error = str(e)
-    error = first_error(error, world)
+    error = first_error(error, worker.world)
     if error:
         return {"usage_error": error}
-    run = build_run(cfg, data, resume, rank, world, store, files)
+    run = build_run(cfg, data, resume, worker, store, files, ray_placement())
     log_topology(run, dist.get_backend() if dist.is_initialized() else "none (1 worker)")
-    return fit(run, resume, checkpointer)
+    return train_run(run, resume, checkpointer)
 
 
-def resume_state(cfg: TrainConfig, checkpointer: Checkpointer, rank: int, world: int) -> Resume:
+def resume_state(cfg: TrainConfig, checkpointer: Checkpointer, worker: Worker) -> Resume:
     """Rank 0 chooses the newest checkpoint that verifies; every rank loads that one."""
     recorded = ray.train.get_checkpoint()
     chosen, state, problem = None, None, None
-    if rank == 0:
+    if worker.master_process:
         try:
             chosen, state = checkpointer.choose(recorded.path.rstrip("/").rsplit("/", 1)[-1] if recorded else None)
         except UsageError as e:
             problem = str(e)
-    if world > 1:  # the choice (or rank 0's error) to every rank
+    if worker.world > 1:  # the choice (or rank 0's error) to every rank
         shared = [(chosen, problem)]
         dist.broadcast_object_list(shared, src=0)
         chosen, problem = shared[0]
     if problem:
         raise UsageError(problem)
-    return checkpointer.resume(chosen, state, cfg.resume_from, world)
+    return checkpointer.resume(chosen, state, cfg.resume_from, worker.world)
 
 
-def fit(run: Run, resume: Resume, checkpointer: Checkpointer) -> dict:
-    cfg = run.cfg
-    preprocess = preprocess_for(run)
-    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    if run.is_rank0:
+def train_run(run: Run, resume: Resume, checkpointer: Checkpointer) -> dict:
+    """From the resumed position to the last epoch or a stop: the outcome the driver reads."""
+    if run.master_process:
         announce(run, resume)
-    control = StepControl(run.store, run.is_rank0, run.device, checkpoint_every_s=cfg.checkpoint_every_min * 60,
-                          saver=checkpointer)
-    last: Optional[EpochMetrics] = None
-    comm_wait, error = None, None
-    for epoch in range(resume.epoch, cfg.epochs):
+    loop = Loop(run, checkpointer)
+    try:
+        return loop.train(resume)
+    finally:
+        loop.control.close()
+
+
+class Loop:
+    """One worker's epochs. A position is (`done`, `step`): `done` epochs finished, `step` steps
+    into the next -- what a checkpoint and its report call `epoch` and `step`."""
+
+    def __init__(self, run: Run, checkpointer: Checkpointer):
+        cfg = run.cfg
+        self.run, self.cfg, self.checkpointer = run, cfg, checkpointer
+        self.control = StepControl(run.store, run.master_process, run.device,
+                                   checkpoint_every_s=cfg.checkpoint_every_min * 60,
+                                   busy=checkpointer.busy, upload_over=checkpointer.upload_over)
+        self.progress = (Progress(cfg.progress, cfg.epochs, run.steps_per_epoch, cfg.global_batch(run.world),
+                                  cfg.log_every) if run.master_process else None)
+        self.finished: Optional[EpochMetrics] = None  # the metrics of the last epoch finished here
+        self.comm_wait: Optional[float] = None
+        self.storage_error: Optional[str] = None     # the final checkpoint's, if it was not saved
+
+    def train(self, resume: Resume) -> dict:
+        for done in range(resume.epoch, self.cfg.epochs):
+            skip = resume.step if done == resume.epoch else 0
+            step, decision, stats = self.train_epoch(done, skip, first=done == resume.epoch)
+            if decision.stop:  # asked during the epoch: checkpoint where it is and stop
+                return self.act(self.settle(decision), done, step)
+            self.evaluate(done, stats)
+            # asked during the epoch's last steps: this epoch's checkpoint is the one to stop with
+            end = self.settle(Decision(checkpoint=True))
+            last = done + 1 == self.cfg.epochs  # a stop asked now changes nothing
+            outcome = self.act(dataclasses.replace(end, stop=end.stop and not last), done + 1, 0)
+            if outcome is not None:
+                return outcome
+        return self.outcome(self.cfg.epochs, 0, stopped=False)
+
+    def train_epoch(self, done: int, skip: int, first: bool) -> tuple[int, Decision, EpochStats]:
+        """Epoch `done + 1` from step `skip`: where it ended, on which decision (a stop is not acted
+        on here), and its stats."""
+        run = self.run
         if isinstance(getattr(run.train_loader, "sampler", None), DistributedSampler):
-            run.train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch
-        skip = resume.step if epoch == resume.epoch else 0
-        progress = None
-        if run.is_rank0:
-            run.files.event(Event.EPOCH_START, epoch=epoch + 1, step=skip)
-            progress = Progress(cfg.progress, epoch, cfg.epochs, run.steps_per_epoch, skip,
-                                cfg.global_batch(run.world), cfg.log_every, eval_s=last.eval_s if last else None)
-        steps = EpochSteps(run.model, run.optimizer, run.scheduler, loss_fn, preprocess, run.device,
-                           run.speed.bf16, cfg.sync_timing)
-        action, position = Action.CONTINUE, skip
-        for step, action in controlled_steps(steps, run.train_loader, run.steps_per_epoch, skip, control, progress):
+            run.train_loader.sampler.set_epoch(done)  # a new shuffle every epoch
+        if run.master_process:
+            run.files.event(Event.EPOCH_START, epoch=done + 1, step=skip)
+            self.progress.start_epoch(done, skip, self.finished.eval_s if self.finished else None)
+        position, decision = skip, GO_ON
+        for step, decision in controlled_steps(run.steps, run.train_loader, run.steps_per_epoch, skip, self.control,
+                                               self.progress):
             position = step.number
-            if control.take_report():  # rank 0's background upload is over
-                checkpointer.report_saved()
-            if action is Action.CHECKPOINT:
-                log.info("checkpoint after %g min: epoch %d step %d", cfg.checkpoint_every_min, epoch + 1,
-                         step.number)
-                checkpointer.save(partial(run.state, epoch, position, last),
-                                  dict(epoch=epoch, step=position, preempted=False, test_acc=-1.0))
-                control.checkpointed()
-            elif action is Action.STOP:
+            if decision.stop:
                 break
-        stats = steps.finish()
-        if progress:
-            progress.close()
-        if run.is_rank0 and stats.first_step_time is not None and epoch == resume.epoch:
-            run.files.event(Event.FIRST_STEP, time=stats.first_step_time, epoch=epoch + 1)
-        if action is Action.STOP:  # a stop was requested: save where we are and stop
-            return stop_here(run, control, checkpointer, epoch, position, last)
-        if comm_wait is None and run.world > 1 and cfg.steps_per_epoch:
-            comm_wait = measure_comm_wait(run.model, next(iter(run.train_loader)), loss_fn, preprocess,
-                                          run.device, run.speed.bf16)
-        test = evaluate(run.model, run.test_loader, torch.nn.CrossEntropyLoss(), preprocess, run.device,
+            if decision is not GO_ON:
+                self.act(decision, done, position)
+        stats = run.steps.finish()
+        if run.master_process:
+            self.progress.close()
+            if first and stats.first_step_time is not None:
+                run.files.event(Event.FIRST_STEP, time=stats.first_step_time, epoch=done + 1)
+        return position, decision, stats
+
+    def evaluate(self, done: int, stats: EpochStats) -> None:
+        """The finished epoch's global metrics (with --measure-comm-wait, DDP's all-reduce wait)."""
+        run = self.run
+        if self.comm_wait is None and run.world > 1 and self.cfg.measure_comm_wait:
+            self.comm_wait = measure_comm_wait(run.steps, next(iter(run.train_loader)))
+        test = evaluate(run.model, run.test_loader, torch.nn.CrossEntropyLoss(), run.steps.preprocess, run.device,
                         run.speed.bf16)
-        last = epoch_metrics(run, epoch, stats, test, comm_wait)
-        if run.is_rank0:
-            run.files.epoch(last)
-            log.info(last.line())
-        # asked during the epoch's last steps: this epoch's checkpoint is the one to stop with
-        stopping = control.at_epoch_end() and epoch + 1 < cfg.epochs
-        if control.take_report():
-            checkpointer.report_saved()
-        error = checkpointer.save(partial(run.state, epoch + 1, 0, last), last.to_dict(),
-                                  last=stopping or epoch + 1 == cfg.epochs)
-        control.checkpointed()
-        if stopping:
-            log.info("stop requested: checkpoint at the end of epoch %d, stopping", epoch + 1)
-            return finish(run, control, {"preempted": True, "epoch": epoch + 1, "step": 0}, error)
-    return finish(run, control, {"preempted": False, "epoch": cfg.epochs}, error)
+        self.finished = epoch_metrics(run, done, stats, test, self.comm_wait)
+        if run.master_process:
+            run.files.epoch(self.finished)
+            log.info(self.finished.line())
 
+    def settle(self, decision: Decision) -> Decision:
+        """Before a stop's checkpoint and at an epoch's end: rank 0 waits for its upload, then every
+        rank looks at once, so the upload is reported first and the next checkpoint never waits."""
+        self.checkpointer.wait_for_upload()
+        look = self.control.look_now()
+        return dataclasses.replace(look, stop=look.stop or decision.stop, checkpoint=decision.checkpoint)
 
-def stop_here(run: Run, control: StepControl, checkpointer: Checkpointer, epoch: int, step: int,
-              last: Optional[EpochMetrics]) -> dict:
-    log.info("stop requested: checkpoint at %s, stopping", where(epoch, step))
-    control.settle()
-    if control.take_report():
-        checkpointer.report_saved()
-    error = checkpointer.save(partial(run.state, epoch, step, last),
-                              dict(epoch=epoch, step=step, preempted=True, test_acc=-1.0), last=True)
-    return finish(run, control, {"preempted": True, "epoch": epoch, "step": step}, error)
+    def act(self, decision: Decision, done: int, step: int) -> Optional[dict]:
+        """The one place a decision is carried out, the same on every rank: report rank 0's finished
+        upload, then checkpoint here; after a stop's checkpoint, the outcome."""
+        if decision.report_saved:
+            self.checkpointer.report_saved()
+        if decision.stop or decision.checkpoint:
+            self.save_at(done, step, stop=decision.stop)
+        return self.outcome(done, step, stopped=True) if decision.stop else None
 
+    def save_at(self, done: int, step: int, stop: bool) -> None:
+        """A checkpoint at this position, reported with the epoch's metrics at an epoch's end, else
+        with the position (UNSCORED: never the best). The final one is written before it returns."""
+        final = stop or (done, step) == (self.cfg.epochs, 0)
+        if stop:
+            log.info("stop requested: checkpoint at %s, stopping", where(done, step))
+        elif step:
+            log.info("checkpoint after %g min: %s", self.cfg.checkpoint_every_min, where(done, step))
+        report = (self.finished.to_dict() if step == 0 else
+                  dict(epoch=done, step=step, preempted=stop, test_acc=UNSCORED))
+        error = self.checkpointer.save(partial(self.run.state, done, step, self.finished), report, final=final)
+        self.storage_error = self.storage_error or error
+        self.control.checkpointed()
 
-def finish(run: Run, control: StepControl, outcome: dict, error: Optional[str]) -> dict:
-    """The loop's result; rank 0 writes the run files that are left and adds a storage error."""
-    control.close()
-    if run.is_rank0:
-        unwritten = run.files.close(0.0 if error else run.cfg.retry_storage_s)
-        error = error or unwritten
+    def outcome(self, done: int, step: int, stopped: bool) -> dict:
+        """The loop's result; rank 0 writes the run files that are left and adds a storage error."""
+        outcome = {"preempted": True, "epoch": done, "step": step} if stopped else {"preempted": False, "epoch": done}
+        error = self.storage_error
+        if self.run.master_process:
+            unwritten = self.run.files.close(0.0 if error else self.cfg.retry_storage_s)
+            error = error or unwritten
         if error:
             outcome["storage_error"] = error
-    return outcome
+        return outcome

@@ -1,0 +1,33 @@
+"""The model and its optimizer as every worker trains them, for `train` and the benchmarks alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..config import Speed, TrainConfig
+from .optim import build_optimizer
+from .resnet import build_model, unwrap
+
+
+def model_and_optimizer(cfg: TrainConfig, num_classes: int, speed: Speed, world: int,
+                        place: Callable[..., nn.Module]) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """`cfg`'s ResNet, NHWC where `speed` says, placed on the device and wrapped in DDP by `place`
+    (Ray's prepare_model, or by hand), with --grad-compression and its optimizer; compiled last
+    with --compile (a checkpoint still loads into it: see `unwrap`)."""
+    model = build_model(cfg.model, cfg.stem, num_classes)
+    if speed.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    # Gradients as views into DDP's buckets save a copy per step; compiled backward graphs may
+    # lay gradients out differently from the buckets, which would undo that, so not with --compile.
+    model = place(model, gradient_as_bucket_view=not cfg.compile, bucket_cap_mb=cfg.ddp_bucket_mb)
+    if cfg.grad_compression == "bf16" and hasattr(model, "register_comm_hook"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    optimizer = build_optimizer(unwrap(model), cfg, world, next(model.parameters()).device)
+    if cfg.compile:
+        model = torch.compile(model)
+    return model, optimizer

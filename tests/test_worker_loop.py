@@ -1,0 +1,123 @@
+"""The worker's training loop without Ray (ray_job/train/worker.py from `train_run` down): two gloo
+ranks, the model and loaders placed by hand, Ray's two calls a LocalReports. Every rank reports at
+the same step -- a background upload once it is over, the checkpoints of a stop and of an epoch's
+end -- rank 0 alone writes, and a stop mid-epoch is where the same run continues."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ranks import run_ranks
+from ray_job.config import TrainConfig
+from ray_job.data.datasets import load_datasets
+from ray_job.storage import at, read_jsonl
+from ray_job.train import stop
+from ray_job.train.build import Placement, Worker, build_run
+from ray_job.train.checkpointer import UNSCORED, Checkpointer, LocalReports, RayLink, Resume
+from ray_job.train.engine import Step
+from ray_job.train.progress import Progress, hms
+from ray_job.train.runlog import RunLog
+from ray_job.train.worker import train_run
+
+pytestmark = pytest.mark.timeout(600)
+
+STEPS = 10  # per epoch: 2 ranks x 32 images x 10 steps
+
+
+def _by_hand(world: int) -> Placement:
+    """What Ray's prepare_model / prepare_data_loader do, by hand: DDP, a DistributedSampler."""
+    def loader(plain: DataLoader, shard: bool) -> DataLoader:
+        if not shard:
+            return plain
+        return DataLoader(plain.dataset, batch_size=plain.batch_size, sampler=DistributedSampler(plain.dataset),
+                          drop_last=True, collate_fn=plain.collate_fn)
+
+    return Placement(lambda model, **ddp: torch.nn.parallel.DistributedDataParallel(model, **ddp), loader)
+
+
+def _rank(rank: int, world: int, run_dir: str, extra: dict):
+    """One rank of a run in `run_dir` (continued from its newest checkpoint): the outcome, and each
+    report as (optimizer steps done when it was made, metrics, path)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    cfg = TrainConfig(data="synthetic", model="resnet18", stem="imagenet", synthetic_train_size=2 * 32 * STEPS,
+                      synthetic_test_size=64, batch_size=64, epochs=2, log_every=0, progress="lines", **extra)
+    worker, store = Worker(rank, world), at(run_dir)
+    files = RunLog(store) if worker.master_process else None
+    calls, runs = [], []
+
+    def report(metrics: dict, path) -> None:
+        calls.append((runs[0].scheduler.last_epoch, metrics, path))
+
+    link = RayLink(LocalReports().link().new_dir_name, report)
+    checkpointer = Checkpointer(store, link, worker.master_process, files, 5.0, asynchronous=True)
+    chosen = [checkpointer.choose(None)[0] if worker.master_process else None]
+    dist.broadcast_object_list(chosen, src=0)  # what resume_state does, Ray's record aside
+    resume = checkpointer.resume(chosen[0], None, "", world) if chosen[0] else Resume()
+    runs.append(build_run(cfg, load_datasets(cfg), resume, worker, store, files, _by_hand(world)))
+    return train_run(runs[0], resume, checkpointer), calls
+
+
+def _events(run_dir, name: str) -> list[dict]:
+    return [e for e in read_jsonl(at(str(run_dir)).join("events.jsonl")) if e["event"] == name]
+
+
+def test_every_rank_reports_each_checkpoint_at_the_same_step_once_its_upload_is_over(tmp_path):
+    """Timed checkpoints as often as they can be (one only while no upload is in flight), written in
+    the background: each is reported once, by every rank at the same step, with its own metrics."""
+    (out0, calls0), (out1, calls1) = run_ranks(_rank, str(tmp_path), {"checkpoint_every_min": 1e-6})
+    assert out0 == out1 == {"preempted": False, "epoch": 2}
+    assert [c[0] for c in calls0] == [c[0] for c in calls1]  # the same optimizer step on every rank
+    assert all(path is None for _, _, path in calls1)  # rank 0 alone writes
+    saved = _events(tmp_path, "checkpoint_saved")
+    reported = [(m["epoch"], m["step"] if "train_loss" not in m else 0, path) for _, m, path in calls0]
+    assert [(e["epoch"], e["step"], e["checkpoint"]) for e in saved] == [
+        (epoch, step, path.rsplit("/", 1)[-1]) for epoch, step, path in reported]
+    timed = [m for _, m, _ in calls0 if "train_loss" not in m]
+    assert timed and all(m["test_acc"] == UNSCORED and not m["preempted"] and m["step"] % 5 == 2 for m in timed)
+    # each epoch's own, with its metrics: the first once its upload is over, the final one at the end
+    assert [m["epoch"] for _, m, _ in calls0 if "train_loss" in m] == [1, 2] and calls0[-1][0] == 2 * STEPS
+    assert [r["epoch"] for r in read_jsonl(at(str(tmp_path)).join("metrics.jsonl"))] == [1, 2]
+
+
+def test_a_stop_checkpoints_at_the_same_step_on_every_rank_and_the_run_continues_there(tmp_path):
+    stop.request(str(tmp_path))  # before the first step: the first poll (step 5) answers at step 7
+    (out0, calls0), (out1, calls1) = run_ranks(_rank, str(tmp_path), {})
+    assert out0 == out1 == {"preempted": True, "epoch": 0, "step": 7}
+    assert [c[0] for c in calls0] == [c[0] for c in calls1] == [7]  # one report: the stop's checkpoint
+    ((_, metrics, path),) = calls0
+    assert metrics == {"epoch": 0, "step": 7, "preempted": True, "test_acc": UNSCORED} and path
+    assert [(e["epoch"], e["step"]) for e in _events(tmp_path, "checkpoint_saved")] == [(0, 7)]
+    stop.clear(str(tmp_path))
+    (out0, calls0), (out1, _) = run_ranks(_rank, str(tmp_path), {})  # the same run again
+    assert out0 == out1 == {"preempted": False, "epoch": 2}
+    assert [(e["epoch"], e["step"]) for e in _events(tmp_path, "epoch_start")] == [(1, 0), (1, 7), (2, 0)]
+    assert len(calls0) == 2 and calls0[-1][0] == 2 * STEPS  # 3 steps after step 7, then 10: the schedule went on
+    assert [r["epoch"] for r in read_jsonl(at(str(tmp_path)).join("metrics.jsonl"))] == [1, 2]
+
+
+def test_progress_lines_every_n_steps_with_speed_and_eta(caplog):
+    logger = logging.getLogger("ray_job")
+    logger.propagate, logger.level = True, logging.INFO
+    p = Progress("lines", epochs=3, steps=10, global_batch=64, log_every=4, every_s=3600)
+    p.start_epoch(0, 0, None)
+    with caplog.at_level(logging.INFO, logger="ray_job"):
+        for step in range(1, 11):
+            p.on_step(Step(step, torch.tensor(2.0 - step / 10), 0.001, 0.01))
+    lines = [r.getMessage() for r in caplog.records if "Step [" in r.getMessage()]
+    assert [line.split("Step [")[1].split("]")[0] for line in lines] == ["1/10", "4/10", "8/10", "10/10"]
+    assert all("Epoch [1/3]" in line and "img/s" in line and "ETA epoch" in line and ", run " in line
+               for line in lines)
+    assert "Loss: 1.9000" in lines[0] and "data 1.0 ms, train 10.0 ms" in lines[0]
+    assert hms(3725) == "1:02:05" and hms(65) == "1:05"
+    quiet = Progress("lines", 1, 10, 64, log_every=0)
+    quiet.start_epoch(0, 0, None)
+    with caplog.at_level(logging.INFO, logger="ray_job"):
+        caplog.clear()
+        quiet.on_step(Step(1, torch.tensor(1.0), 0.0, 0.0))
+    assert not caplog.records  # --log-every 0: epoch lines only
