@@ -10,9 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,24 +18,18 @@ from ray_job.data.cifar10 import write_cifar10
 from ray_job.data.synthetic import make_synthetic
 from ray_job.train.runfiles import Event
 
-from conftest import README_FILES, Running, jpeg_folder, run_cli, strict_file, table_rows
+from conftest import README_FILES, Running, events, jpeg_folder, run_cli, strict_file, table_rows, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 MODEL = ["--model", "resnet18", "--stem", "imagenet", "--batch-size", "64"]
 
 
-def train(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return run_cli("train", *args, cwd=cwd, timeout=timeout)
-
-
 @pytest.fixture
-def user_dir(tmp_path):
-    """A user's own folder holding a small CIFAR-10 in torchvision's format under ./data."""
-    home = tmp_path / "me"
-    home.mkdir()
-    write_cifar10(str(home / "data"), make_synthetic(512, 0, True), make_synthetic(128, 0, False))
-    return home
+def user_dir(user_dir):
+    """The user's folder (conftest's), holding a small CIFAR-10 in torchvision's format under ./data."""
+    write_cifar10(str(user_dir / "data"), make_synthetic(512, 0, True), make_synthetic(128, 0, False))
+    return user_dir
 
 
 def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_dir):
@@ -163,7 +155,7 @@ def test_ctrl_c_checkpoints_where_it_is_and_the_same_command_continues(user_dir,
 
     again = run_cli(*args, cwd=user_dir, env=ray_cluster.user_env())
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
-    resumed = [e for e in strict_file(run_dir / "events.jsonl") if e["event"] == Event.RESUMED]
+    resumed = events(run_dir, Event.RESUMED)
     assert resumed[0] == {**resumed[0], "epoch": position[0], "step": position[1]}  # at the exact step
     assert [r["epoch"] for r in strict_file(run_dir / "metrics.jsonl")] == [1, 2, 3]
     assert not (run_dir / ".preempt").exists()
