@@ -90,7 +90,7 @@ def world_sizes(job: Job) -> list[int]:
     return [m["world_size"] for m in metrics(job)]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)  # fixed waits (node2's restart after 45 s, the grow check) on top of training
 def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_cluster, tmp_path):
     """Kills: every process of the job on node2 (its `ray start` step, raylet and training worker),
     mid-epoch 2; later the driver. Expects: with --min-workers 1 the run goes on with one worker

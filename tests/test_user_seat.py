@@ -102,6 +102,7 @@ def _ours(proc, settle_s: float = 30) -> list:
         time.sleep(0.5)
 
 
+@pytest.mark.timeout(1200)  # five runs of the README's command, three epochs
 def test_ctrl_c_checkpoints_where_it_is_and_the_same_command_continues(user_dir, ray_cluster):
     """Ctrl-C (SIGINT to the terminal's process group) during epoch 2 of the README's command: exit
     130 with the line that says what was kept, summary.json says interrupted, nothing left running;
