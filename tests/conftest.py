@@ -25,13 +25,18 @@ from pathlib import Path
 import pytest
 from processes import stop_session
 
+from ray_job.train import runfiles
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough for 2 CPU cores: resnet18 with the ImageNet stem trains at ~300 img/s there.
 TINY = ["--data", "synthetic", "--model", "resnet18", "--stem", "imagenet",
         "--synthetic-train-size", "512", "--synthetic-test-size", "256", "--batch-size", "64",
         "--log-every", "4"]
-README_FILES = ("metrics.jsonl", "metrics.csv", "events.jsonl", "topology.json", "config.json",
-                "summary.json", "tensorboard")
+# The run folder's files, by the names the run writes them under; a local folder also has the
+# TensorBoard folder (on object storage: keys under tensorboard/).
+RUN_FILES = (runfiles.METRICS_JSONL, runfiles.METRICS_CSV, runfiles.EVENTS_JSONL, runfiles.TOPOLOGY_JSON,
+             runfiles.CONFIG_JSON, runfiles.SUMMARY_JSON)
+README_FILES = (*RUN_FILES, runfiles.TENSORBOARD)
 RAY_CLI = os.path.join(os.path.dirname(sys.executable), "ray")
 # This process's Ray token, set before anything imports Ray (Ray reads its auth settings once):
 # the session's head uses it, so that tests calling the driver in-process can join that head.
@@ -150,6 +155,19 @@ def run_cli(*args: str, cwd=ROOT, env: dict | None = None, timeout: float = 600)
     """`python -m ray_job ARGS` in a fresh process (its own local Ray cluster unless env joins one)."""
     return subprocess.run([sys.executable, "-m", "ray_job", *args], cwd=cwd, env=env or user_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def train(cwd, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m ray_job train ARGS` from the user's folder `cwd`."""
+    return run_cli("train", *args, cwd=cwd, env=env, timeout=timeout)
+
+
+@pytest.fixture
+def user_dir(tmp_path) -> Path:
+    """A user's own folder (not the repository), where their commands run."""
+    home = tmp_path / "me"
+    home.mkdir()
+    return home
 
 
 class Running:

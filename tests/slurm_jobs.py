@@ -126,9 +126,10 @@ def assert_two_node_run(job: Job, epochs: int) -> None:
         assert (job.dir / "ray-logs" / str(job.id) / f"{node}.log").exists()
 
 
-def kill_job_processes(job: Job, node: str | None = None, match: str = "") -> list[int]:
-    """SIGKILL the job's processes on `node` (all nodes if None) whose command line contains
-    `match`; returns their PIDs. Ray daemons and workers inherit SLURMD_NODENAME from their step."""
+def kill_job_processes(job: Job, node: str | None = None, match: str = "", sig: int = signal.SIGKILL) -> list[int]:
+    """Send `sig` (SIGKILL) to the job's processes on `node` (all nodes if None) whose command line
+    contains `match`; returns their PIDs. Ray daemons and workers inherit SLURMD_NODENAME from their
+    step."""
     pids = []
     for pid in job.cluster.job_process_pids(job.id):
         try:
@@ -142,7 +143,7 @@ def kill_job_processes(job: Job, node: str | None = None, match: str = "") -> li
             pids.append(pid)
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
     return pids

@@ -1,18 +1,23 @@
 """The command line as a user meets it: bad input fails in seconds with one line, and a worker
 that is killed mid-run is replaced without losing more than the current epoch."""
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
+from processes import train_workers
 
 from conftest import ROOT, TINY, run_cli, tiny_args
+from ray_job.config import parse_train_args
+from ray_job.config.run import RECIPES
 from ray_job.storage import read_jsonl
+from ray_job.train.runfiles import Event
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -72,31 +77,40 @@ def test_more_workers_than_the_machine_fails_before_waiting(tmp_path):
     assert (run_dir / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
 
 
-def test_help_lists_every_flag_with_defaults():
-    out = run_cli("train", "--help").stdout
-    for flag in ("--num-workers", "--use-gpu", "--no-gpu", "--cpus-per-worker", "--batch-mode",
-                 "--lr", "--label-smoothing", "--stem", "--data-dir", "--storage-path",
-                 "--resume-from", "--max-failures", "--keep-checkpoints", "--seed", "--log-every"):
-        assert flag in out
-    assert "(default: resnet50)" in out.replace("\n", " ").replace("  ", " ") or "default: resnet50" in out
+def help_entries(text: str) -> dict[str, str]:
+    """Each option of a --help text: its flag -> its entry (the lines it spans, joined)."""
+    entries, flag = {}, None
+    for line in text.split("options:", 1)[1].splitlines():
+        if start := re.match(r"  (--[a-z0-9-]+)", line):
+            flag = start[1]
+            entries[flag] = line
+        elif flag and line.startswith("    "):
+            entries[flag] += " " + line.strip()
+        else:
+            flag = None
+    return entries
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_help_shows_every_setting_with_the_value_a_run_gets(recipe):
+    """`train --help` (with a --recipe: its values) lists a flag for every setting, and the default
+    it shows is the value a run without that flag gets."""
+    entries = help_entries(run_cli("train", "--recipe", recipe, "--help").stdout)
+    cfg = parse_train_args(["--recipe", recipe])
+    for field in dataclasses.fields(cfg):
+        if field.name == "recipe":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in entries, f"{flag} is not in `train --help`"
+        shown = re.findall(r"\(default: ([^)]*)\)", entries[flag])
+        assert shown and shown[-1] == str(getattr(cfg, field.name)), (flag, entries[flag])
     assert run_cli("--help").returncode == 0
-
-
-def _train_workers(pid: int) -> list[psutil.Process]:
-    procs = []
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            if "RayTrainWorker" in " ".join(p.cmdline()):
-                procs.append(p)
-        except psutil.Error:
-            pass
-    return procs
 
 
 def _checkpoint_registered(run_dir) -> bool:
     """Epoch 1's checkpoint is in Ray's run snapshot (reported and registered) and epoch 2 runs."""
     snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    started = [e for e in read_jsonl(str(run_dir / "events.jsonl")) if e["event"] == "epoch_start"]
+    started = [e for e in read_jsonl(str(run_dir / "events.jsonl")) if e["event"] == Event.EPOCH_START]
     return snapshot.exists() and '"epoch": 1' in snapshot.read_text().replace('"epoch":1', '"epoch": 1') \
         and any(e["epoch"] == 2 for e in started)
 
@@ -115,7 +129,7 @@ def test_killed_worker_is_replaced_and_training_continues(tmp_path):
         while time.time() < deadline and not _checkpoint_registered(run_dir):
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(0.2)
-        victims = _train_workers(proc.pid)
+        victims = train_workers(proc.pid)
         assert len(victims) == 2
         victims[-1].send_signal(signal.SIGKILL)  # mid-epoch 2
         out, _ = proc.communicate(timeout=500)
@@ -126,7 +140,7 @@ def test_killed_worker_is_replaced_and_training_continues(tmp_path):
     rows = read_jsonl(str(run_dir / "metrics.jsonl"))
     assert [r["epoch"] for r in rows] == [1, 2, 3]
     events = read_jsonl(str(run_dir / "events.jsonl"))
-    starts = [e["epoch"] for e in events if e["event"] == "epoch_start"]
+    starts = [e["epoch"] for e in events if e["event"] == Event.EPOCH_START]
     assert len(starts) <= 4 and starts[-1] == 3  # at most one epoch recomputed
-    assert any(e["event"] == "resumed" for e in events)
+    assert any(e["event"] == Event.RESUMED for e in events)
     assert json.load(open(run_dir / "summary.json"))["finished"]

@@ -144,10 +144,17 @@ def test_default_name_hashes_only_what_the_run_reads(tmp_path):
         parse_train_args(cifar).with_resolved_paths(str(tmp_path / "b")).default_name()
 
 
-def test_result_fields_leave_out_what_changes_no_result():
-    fields = parse_train_args([]).result_fields()
-    for name in ("address", "progress", "log_every", "retry_storage_s", "resource_wait_s",
-                 "checkpoint_every_min", "collective_timeout_s", "max_failures", "keep_checkpoints"):
-        assert name not in fields
-    for name in ("lr", "model", "batch_size", "data_dir", "epochs", "name", "storage_path", "num_workers"):
-        assert name in fields
+@pytest.mark.parametrize("flags, same_run", [
+    (["--log-every", "1"], True), (["--retry-storage-s", "5"], True), (["--max-failures", "7"], True),
+    (["--checkpoint-every-min", "5"], True), (["--collective-timeout-s", "60"], True),
+    (["--keep-checkpoints", "9"], True), (["--epochs", "99"], True),
+    (["--lr", "0.01"], False), (["--batch-size", "32"], False), (["--seed", "1"], False),
+    (["--model", "resnet34"], False), (["--num-workers", "3"], False)])
+def test_the_same_command_with_another_flag_continues_the_run_only_if_the_flag_changes_no_result(flags, same_run):
+    """Without --name, the same command continues its run: how it waits, retries, logs and keeps
+    checkpoints, and how many epochs it goes on for, leave it the same run; what it computes makes
+    it another one."""
+    base = ["--data", "synthetic", "--model", "resnet18"]
+    before = parse_train_args(base).with_resolved_paths().default_name()
+    after = parse_train_args([*base, *flags]).with_resolved_paths().default_name()
+    assert (after == before) is same_run, (flags, before, after)

@@ -9,48 +9,27 @@ finishes; no process the run started is left. Only processes below the run's own
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+import psutil
 import pytest
+from processes import alive, train_workers
 
-from conftest import ROOT
+from conftest import ROOT, events, strict_file
+from ray_job.train.runfiles import Event
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 TIMEOUT_S = 15
 
 
-def descendants(pid: int) -> list[int]:
-    """The PIDs below `pid` (children, grandchildren, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def test_a_hung_worker_is_given_up_on_in_bounded_time_and_the_run_recovers(tmp_path):
+    """Rank 1 is stopped as soon as epoch 2 starts: the whole epoch (24 steps) lies between the
+    event and the end-of-epoch-2 checkpoint that would change where the run resumes, against the
+    test's reaction of a 0.1 s poll."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
     env["PYTHONPATH"] = ROOT
     run_dir = tmp_path / "results" / "hang"
@@ -61,35 +40,36 @@ def test_a_hung_worker_is_given_up_on_in_bounded_time_and_the_run_recovers(tmp_p
          "--collective-timeout-s", str(TIMEOUT_S), "--storage-path", "results", "--name", "hang"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        def events():
-            path = run_dir / "events.jsonl"
-            return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        def epoch_2_started():
+            return (run_dir / "events.jsonl").exists() and \
+                any(e["epoch"] == 2 for e in events(run_dir, Event.EPOCH_START))
 
         deadline = time.monotonic() + 400
-        while not any(e["event"] == "epoch_start" and e["epoch"] == 2 for e in events()):
+        while not epoch_2_started():
             assert proc.poll() is None and time.monotonic() < deadline, "epoch 2 never started"
-            time.sleep(0.5)
-        time.sleep(3)  # a few steps into epoch 2
-        workers = [p for p in descendants(proc.pid) if cmdline(p).startswith("ray::RayTrainWorker")]
-        assert len(workers) == 2, [cmdline(p) for p in descendants(proc.pid)]
-        os.kill(workers[-1], signal.SIGSTOP)
+            time.sleep(0.1)
+        workers = train_workers(proc.pid)
+        assert len(workers) == 2, workers
+        # rank 1: rank 0 is left to finish writing epoch 1's checkpoint in the background
+        (rank1,) = [w["pid"] for w in strict_file(run_dir / "topology.json")["workers"] if w["rank"] == 1]
+        assert rank1 in [w.pid for w in workers], (rank1, workers)
+        os.kill(rank1, signal.SIGSTOP)
         stopped = time.time()
         out, _ = proc.communicate(timeout=500)
     finally:
         if proc.poll() is None:
-            for pid in descendants(proc.pid):
-                os.kill(pid, signal.SIGKILL)
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, out[-3000:]
     assert "Timed out" in out or "timed out" in out or "Timeout" in out, out[-3000:]
-    restarted = [e["time"] for e in events() if e["event"] == "first_step" and e["time"] > stopped]
-    assert restarted, events()
-    assert [(e["epoch"], e["step"]) for e in events() if e["event"] == "resumed"] == [(1, 0)]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    restarted = [e["time"] for e in events(run_dir, Event.FIRST_STEP) if e["time"] > stopped]
+    assert restarted, events(run_dir)
+    assert [(e["epoch"], e["step"]) for e in events(run_dir, Event.RESUMED)] == [(1, 0)]
+    summary = strict_file(run_dir / "summary.json")
     assert summary["finished"] and summary["epochs_completed"] == 2
-    left = [p for p in workers if Path(f"/proc/{p}").exists()
-            and (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")]
+    left = [p for p in workers if alive(p)]
     assert not left, left
     print(f"\nhung worker (SIGSTOP): training again {restarted[0] - stopped:.1f} s later "
           f"(--collective-timeout-s {TIMEOUT_S})")

@@ -26,20 +26,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, Running, head_running, one_error_line, run_cli, strict
+from processes import frozen
+
+from conftest import ROOT, RUN_FILES, TINY, Running, head_running, one_error_line, strict, train, user_env
+from ray_job.train.checkpoint import MANIFEST_FILE
+from ray_job.train.runfiles import TOPOLOGY_JSON, Event
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(600)]
 
-RUN_FILES = ("metrics.jsonl", "metrics.csv", "events.jsonl", "topology.json", "config.json",
-             "summary.json")
-
-
-def user_env(server, **overrides: str) -> dict:
-    """A user's shell with the AWS variables of the README (and the repo importable)."""
-    env = {k: v for k, v in server.env(**overrides).items()
-           if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
-    env["PYTHONPATH"] = ROOT
-    return env
+def aws_user(server, **overrides: str) -> dict:
+    """A user's shell with the AWS variables of the README."""
+    return user_env(**{**server.aws_vars(), **overrides})
 
 
 def joined(head, server) -> dict:
@@ -51,12 +48,16 @@ def jsonl(server, key: str) -> list[dict]:
     return [strict(line) for line in server.read(key).decode().splitlines() if line.strip()]
 
 
-def train(cwd, env, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return run_cli("train", *args, cwd=cwd, env=env, timeout=timeout)
+def complete_checkpoints(server, prefix: str) -> list[str]:
+    """The checkpoint folders under `prefix` whose manifest (written last) is there."""
+    return sorted({k.split("/")[0] for k in server.keys(prefix)
+                   if k.startswith("checkpoint_") and k.endswith(f"/{MANIFEST_FILE}")})
 
 
-def running(cwd, env, *args: str) -> Running:
-    return Running("train", *args, cwd=cwd, env=env)
+def worker_pid(server, prefix: str) -> int:
+    """The PID of the run's one training worker (on this machine), from its topology.json."""
+    (worker,) = strict(server.read(f"{prefix}/{TOPOLOGY_JSON}").decode())["workers"]
+    return worker["pid"]
 
 
 def checkpoints(server, prefix: str) -> list[str]:
@@ -64,35 +65,30 @@ def checkpoints(server, prefix: str) -> list[str]:
                    if k.startswith("checkpoint_") and k.endswith("/checkpoint.pt")})
 
 
-@pytest.fixture
-def user_dir(tmp_path):
-    home = tmp_path / "me"
-    home.mkdir()
-    return home
-
-
 # --- the README road ----------------------------------------------------------------------------
 
 def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir):
-    """The README's road: SIGUSR1 mid-epoch (the request goes into the bucket), the same command
+    """The README's road: SIGUSR1 (the request goes into the bucket), a stop mid-epoch, the same command
     continues at that step and finishes, every run file is in the bucket, a third run says
     finished. (--resume-from s3://... is in the storage fault test below.)"""
-    env = user_env(s3)
+    env = aws_user(s3)
     storage = s3.uri("seat")
     args = [*TINY, "--synthetic-train-size", "2048", "--storage-path", storage, "--name", "run",
             "--num-workers", "2", "--epochs", "1"]
-    first = running(user_dir, env, *args)
-    first.wait_for(lambda: "events.jsonl" in s3.keys("seat/run"))
+    first = Running("train", *args, cwd=user_dir, env=env)
+    # after the driver cleared an old request ("config:" follows): the request is in the bucket
+    # before the first step, and the workers stop at their first poll, whatever the machine's speed
+    first.wait_for(lambda: "config:" in first.out, every=0.1)
     first.proc.send_signal(signal.SIGUSR1)  # what slurm_ray_start.sh sends before the time limit
     assert first.finish() == 3, first.out[-4000:]
     assert "Run the same command again to continue" in first.out
 
-    proc = train(user_dir, env, *args)
+    proc = train(user_dir, *args, env=env)
     out = first.out + proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert f"results: {storage}/run" in proc.stdout
     events = jsonl(s3, "seat/run/events.jsonl")
-    resumed = [e for e in events if e["event"] == "resumed"]
+    resumed = [e for e in events if e["event"] == Event.RESUMED]
     assert len(resumed) == 1 and resumed[0]["epoch"] == 0 and 0 < resumed[0]["step"] < 32, events
     assert ".preempt" not in s3.keys("seat/run")  # the request was cleared by the second start
 
@@ -112,7 +108,7 @@ def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir):
     assert summary["finished"] and latest.startswith(f"{storage}/run/checkpoint_")
     assert latest.rsplit("/", 1)[-1] in checkpoints(s3, "seat/run")
     assert [r["epoch"] for r in jsonl(s3, "seat/run/metrics.jsonl")] == [1]
-    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    saved = [e for e in events if e["event"] == Event.CHECKPOINT_SAVED]
     assert len(saved) == 2 and saved[0]["bytes"] > 40e6 and saved[0]["upload_s"] > 0
     # the credentials appear nowhere: not in what was printed, not in any text file in the bucket
     assert s3.secret not in out and s3.key_id not in out
@@ -121,7 +117,7 @@ def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir):
             assert s3.secret.encode() not in s3.read(f"seat/run/{key}")
 
     # the same command again: finished, read from the bucket, no Ray started
-    again = train(user_dir, env, *args, timeout=120)
+    again = train(user_dir, *args, env=env, timeout=120)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "already finished 1 epochs" in again.stdout and "config:" not in again.stdout
 
@@ -147,7 +143,7 @@ def test_bad_storage_fails_in_seconds_with_one_line(s3, user_dir, case):
     else:
         uri = uri + f"?access_key={s3.key_id}&secret_key={s3.secret}"
     started = time.monotonic()
-    proc = train(user_dir, user_env(s3, **env), *TINY, "--storage-path", uri, "--name", "x",
+    proc = train(user_dir, *TINY, "--storage-path", uri, "--name", "x", env=aws_user(s3, **env),
                  timeout=120)
     elapsed = time.monotonic() - started
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
@@ -177,8 +173,8 @@ def test_a_run_folder_on_s3_in_use_is_refused_and_a_stale_lease_taken_over(s3, u
     holder.take()
     try:
         started = time.monotonic()
-        proc = train(user_dir, user_env(s3), *TINY, "--storage-path", s3.uri("lease"), "--name", "held",
-                     timeout=120)
+        proc = train(user_dir, *TINY, "--storage-path", s3.uri("lease"), "--name", "held",
+                     env=aws_user(s3), timeout=120)
         elapsed = time.monotonic() - started
     finally:
         holder.give_back()
@@ -278,10 +274,11 @@ def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir,
     the run files have failed (a write retried into a server already back would fail nothing): the
     run finishes, epoch 3's checkpoint is saved, and every file has caught up."""
     env = joined(ray_cluster, s3)
-    run = running(user_dir, env, *FAULT, "--storage-path", s3.uri("fault"), "--name", "a",
-                  "--epochs", "3")
-    run.wait_for(lambda: checkpoints(s3, "fault/a"), every=0.5)
-    s3.stop()
+    run = Running("train", *FAULT, "--storage-path", s3.uri("fault"), "--name", "a",
+                  "--epochs", "3", cwd=user_dir, env=env)
+    run.wait_for(lambda: complete_checkpoints(s3, "fault/a"), every=0.2)
+    with frozen(worker_pid(s3, "fault/a")):  # held early in epoch 2 while the server stops
+        s3.stop()
     down = time.monotonic()
     run.wait_for(lambda: "NOT saved" in run.out and "to write later" in run.out)
     s3.start()
@@ -291,8 +288,8 @@ def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir,
     assert "training goes on" in run.out and "caught up" in run.out, run.out[-4000:]
     assert [r["epoch"] for r in jsonl(s3, "fault/a/metrics.jsonl")] == [1, 2, 3]
     events = jsonl(s3, "fault/a/events.jsonl")
-    assert [e["epoch"] for e in events if e["event"] == "checkpoint_saved"] == [1, 3]
-    assert [e["epoch"] for e in events if e["event"] == "checkpoint_failed"] == [2]
+    assert [e["epoch"] for e in events if e["event"] == Event.CHECKPOINT_SAVED] == [1, 3]
+    assert [e["epoch"] for e in events if e["event"] == Event.CHECKPOINT_FAILED] == [2]
     summary = strict(s3.read("fault/a/summary.json").decode())
     assert summary["finished"] and summary["epochs_completed"] == 3
     from ray_job.train.checkpoint import load_checkpoint
@@ -332,11 +329,12 @@ def test_server_down_at_the_end_fails_clearly_then_the_same_command_resumes(s3, 
     env = joined(ray_cluster, s3)
     args = [*FAULT, "--storage-path", s3.uri("fault"), "--name", "b", "--epochs", "3",
             "--resume-from", seed, "--retry-storage-s", "2"]
-    run = running(user_dir, env, *args)
+    run = Running("train", *args, cwd=user_dir, env=env)
     run.wait_for(lambda: checkpoints(s3, "fault/b") and  # and recorded by Ray
-                 "checkpoint_manager_snapshot.json" in s3.keys("fault/b"), every=0.5)
-    (first,) = checkpoints(s3, "fault/b")
-    s3.stop()
+                 "checkpoint_manager_snapshot.json" in s3.keys("fault/b"), every=0.2)
+    with frozen(worker_pid(s3, "fault/b")):  # held in epoch 3 while the server stops
+        (first,) = checkpoints(s3, "fault/b")
+        s3.stop()
     rc = run.finish()
     assert rc == 1, run.out[-4000:]
     line = one_error_line(run.out)
@@ -348,10 +346,10 @@ def test_server_down_at_the_end_fails_clearly_then_the_same_command_resumes(s3, 
     with s3.client().open_output_stream(f"{s3.bucket}/fault/b/checkpoint_2999-01-01_00-00-00.000000/"
                                         "checkpoint.pt") as f:
         f.write(b"PK\x03\x04 half a checkpoint")  # newer by name, but Ray never recorded it
-    again = train(user_dir, env, *args)
+    again = train(user_dir, *args, env=env)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     events = jsonl(s3, "fault/b/events.jsonl")
-    assert [(e["epoch"], e["step"]) for e in events if e["event"] == "resumed"] == [(1, 0), (2, 0)]
+    assert [(e["epoch"], e["step"]) for e in events if e["event"] == Event.RESUMED] == [(1, 0), (2, 0)]
     assert [r["epoch"] for r in jsonl(s3, "fault/b/metrics.jsonl")] == [2, 3]
     assert strict(s3.read("fault/b/summary.json").decode())["finished"]
 
@@ -369,8 +367,8 @@ def test_full_local_disk_fails_the_checkpoint_and_the_previous_one_stays(user_di
         shutil.rmtree(mnt, ignore_errors=True)
         pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
     try:
-        proc = train(user_dir, ray_cluster.user_env(), *FAULT, "--synthetic-train-size", "512", "--storage-path",
-                     str(mnt), "--name", "full", "--epochs", "2", "--retry-storage-s", "2")
+        proc = train(user_dir, *FAULT, "--synthetic-train-size", "512", "--storage-path", str(mnt), "--name",
+                     "full", "--epochs", "2", "--retry-storage-s", "2", env=ray_cluster.user_env())
         assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
         line = one_error_line(proc.stderr)
         assert "No space left on device" in line and "was not saved" in line, line

@@ -10,12 +10,17 @@ Needs root and the SLURM packages (skipped otherwise).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import time
 
 import pytest
+from processes import frozen
 from slurm_jobs import TINY, Job, assert_two_node_run, kill_job_processes
+
+from ray_job.train.runfiles import Event
 
 # 1024 images / global batch 64 = 16 steps per epoch: a few seconds each, time to kill mid-epoch.
 CHAOS = [*TINY, "--synthetic-train-size", "1024", "--epochs", "3"]
@@ -26,7 +31,7 @@ def events(job: Job, name: str) -> list[dict]:
 
 
 def epoch_starts(job: Job) -> list[tuple[int, int]]:
-    return [(e["epoch"], e["step"]) for e in events(job, "epoch_start")]
+    return [(e["epoch"], e["step"]) for e in events(job, Event.EPOCH_START)]
 
 
 def report(case: str, **figures) -> None:
@@ -47,11 +52,45 @@ def temp_entries() -> set[str]:
     return found
 
 
+def frozen_at_a_timed_checkpoint(job: Job, after: float) -> int:
+    """Rank 1 frozen (SIGSTOP) at a moment when the run's newest complete checkpoint is a timed one
+    (step > 0) saved after `after`: a frozen rank holds the whole run (rank 0 waits in its next
+    all-reduce), so no newer checkpoint can come and the run keeps the rest of its work. Rank 0's
+    checkpoint in flight, if any, is written first; when the newest is an epoch's own (step 0, or
+    one coming: that epoch's metrics are written), rank 1 goes on to the next timed one. Returns
+    the frozen PID."""
+    while True:
+        job.wait_for(lambda since=after: [e for e in events(job, Event.CHECKPOINT_SAVED)
+                                          if e["time"] > since and e["step"] > 0],
+                     timeout=300, what="a timed checkpoint")
+        # the group now training wrote its topology before its first step
+        rank1 = [w["pid"] for w in json.loads((job.run_dir / "topology.json").read_text())["workers"]
+                 if w["rank"] == 1]
+        os.kill(rank1[0], signal.SIGSTOP)
+        job.wait_for(lambda: written(job), timeout=120, what="rank 0's checkpoint in flight to be written")
+        newest = events(job, Event.CHECKPOINT_SAVED)[-1]
+        if newest["step"] > 0 and newest["epoch"] + 1 not in [m["epoch"] for m in metrics(job)]:
+            return rank1[0]
+        after = newest["time"]
+        os.kill(rank1[0], signal.SIGCONT)
+
+
+def written(job: Job) -> bool:
+    """Every checkpoint folder has its checkpoint_saved event: none is half-written."""
+    saved = {e["checkpoint"] for e in events(job, Event.CHECKPOINT_SAVED)}
+    return all(p.name in saved for p in job.run_dir.glob("checkpoint_*") if p.is_dir())
+
+
+def metrics(job: Job) -> list[dict]:
+    path = job.run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def world_sizes(job: Job) -> list[int]:
-    return [json.loads(line)["world_size"] for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m["world_size"] for m in metrics(job)]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)  # fixed waits (node2's restart after 45 s, the grow check) on top of training
 def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_cluster, tmp_path):
     """Kills: every process of the job on node2 (its `ray start` step, raylet and training worker),
     mid-epoch 2; later the driver. Expects: with --min-workers 1 the run goes on with one worker
@@ -61,33 +100,39 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
     and a job with RJ_RUN_NAME of the first finishes the run from its last checkpoint. No process
     and no temporary folder of ours is left."""
     before = temp_entries()
-    args = ["train", *CHAOS, "--epochs", "14", "--min-workers", "1", "--grow-check-s", "10"]
+    epochs = 8
+    args = ["train", *CHAOS, "--epochs", str(epochs), "--min-workers", "1", "--grow-check-s", "10"]
     job = Job(slurm_cluster, tmp_path, args, env={"RJ_NODE_RESTART_S": "45"})
-    job.wait_for(lambda: "Epoch [2/14], Step [8/16]" in job.output, timeout=400, what="epoch 2 under way")
+    job.wait_for(lambda: f"Epoch [2/{epochs}], Step [8/16]" in job.output, timeout=400, what="epoch 2 under way")
     killed = kill_job_processes(job, "node2")
     fault = time.time()
     assert killed, "no process of the job on node2"
 
     def resized(before_after):
-        return [e for e in events(job, "world_size_changed") if (e["before"], e["after"]) == before_after]
+        return [e for e in events(job, Event.WORLD_SIZE_CHANGED) if (e["before"], e["after"]) == before_after]
     shrunk = job.wait_for(lambda: resized((2, 1)), timeout=300, what="the run to go on with one worker")
     assert shrunk[0]["global_batch"] == 64  # --batch-mode global: the same global batch
-    # the driver's line reaches the job's output file a moment after the event reaches events.jsonl
-    job.wait_for(lambda: "world size changed 2 -> 1; --batch-mode global: global batch 64 -> 64" in job.output,
-                 timeout=60, what="the driver's line about the new world size")
-    job.wait_for(lambda: "starting Ray on node2 again in 45 s (restart 1 of 3)" in job.output, timeout=60,
-                 what="the script to say when it starts node2's Ray again")
-    job.wait_for(lambda: "starting Ray on node2 again\n" in job.output, timeout=200,
-                 what="the script to start node2's Ray again")
-    # Grown: a group of two resumes. From the 2-worker checkpoint of epoch 1 if the 1-worker group
-    # saved none before the resize (then no world_size_changed: nothing to re-shard), else 1 -> 2.
-    grown = job.wait_for(lambda: [e for e in events(job, "resumed") if e["time"] > shrunk[0]["time"]
-                                  and e["world_size"] == 2], timeout=300, what="the run to grow back to two workers")
-    job.wait_for(lambda: any(e["time"] > grown[0]["time"] for e in events(job, "checkpoint_saved")),
+    # The one worker (its topology is written before the event) is held until the group grows
+    # back: however fast the machine, the run cannot finish its epochs before node2 returns. The
+    # resize ends the held worker as it would a running one.
+    (alone,) = [w["pid"] for w in json.loads((job.run_dir / "topology.json").read_text())["workers"]]
+    with frozen(alone):
+        # the driver's line reaches the job's output file a moment after the event reaches events.jsonl
+        job.wait_for(lambda: "world size changed 2 -> 1; --batch-mode global: global batch 64 -> 64" in job.output,
+                     timeout=60, what="the driver's line about the new world size")
+        job.wait_for(lambda: "starting Ray on node2 again in 45 s (restart 1 of 3)" in job.output, timeout=60,
+                     what="the script to say when it starts node2's Ray again")
+        job.wait_for(lambda: "starting Ray on node2 again\n" in job.output, timeout=200,
+                     what="the script to start node2's Ray again")
+        # Grown: a group of two resumes. From the 2-worker checkpoint of epoch 1 if the 1-worker group
+        # saved none before the resize (then no world_size_changed: nothing to re-shard), else 1 -> 2.
+        grown = job.wait_for(lambda: [e for e in events(job, Event.RESUMED) if e["time"] > shrunk[0]["time"]
+                                      and e["world_size"] == 2], timeout=300,
+                             what="the run to grow back to two workers")
+    job.wait_for(lambda: any(e["time"] > grown[0]["time"] for e in events(job, Event.CHECKPOINT_SAVED)),
                  timeout=300, what="a checkpoint with two workers again")
-    again_s = [e["time"] - fault for e in events(job, "first_step") if e["time"] > fault]
-    report("elastic, node2 killed mid-epoch 2", killed=len(killed), fault_to_training_on_1=again_s[0],
-           fault_to_training_on_2=grown[0]["time"] - fault)
+    report("elastic, node2 killed mid-epoch 2", killed=len(killed), fault_to_one_worker=shrunk[0]["time"] - fault,
+           fault_to_two_workers=grown[0]["time"] - fault)
 
     driver = kill_job_processes(job, "node1", match="-m ray_job train")
     assert len(driver) == 1, driver
@@ -98,19 +143,19 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
     assert "the driver was killed by signal 9 (KILL)" in job.output
     assert f"resubmit with RJ_RUN_NAME={run_name}" in job.output
     job.assert_cleaned_up()
-    last = [e for e in events(job, "checkpoint_saved")][-1]
+    last = [e for e in events(job, Event.CHECKPOINT_SAVED)][-1]
 
     again = Job(slurm_cluster, tmp_path, args, env={"RJ_RUN_NAME": run_name})
     again.run_dir = job.run_dir
     info = again.wait_done(timeout=500)
     assert info["JobState"] == "COMPLETED", again.tail()
-    assert [(e["epoch"], e["step"]) for e in events(again, "resumed")][-1] == (last["epoch"], last["step"])
+    assert [(e["epoch"], e["step"]) for e in events(again, Event.RESUMED)][-1] == (last["epoch"], last["step"])
     sizes = world_sizes(again)  # per epoch; 1 only if the 1-worker group finished an epoch
-    assert len(sizes) == 14 and sizes[0] == 2 and sizes[-1] == 2 and set(sizes) <= {1, 2}, sizes
-    resumed_on = [e["world_size"] for e in events(job, "resumed")]
+    assert len(sizes) == epochs and sizes[0] == 2 and sizes[-1] == 2 and set(sizes) <= {1, 2}, sizes
+    resumed_on = [e["world_size"] for e in events(job, Event.RESUMED)]
     assert resumed_on[0] == 1 and 2 in resumed_on, resumed_on  # shrunk, then grown
     summary = json.loads((job.run_dir / "summary.json").read_text())
-    assert summary["finished"] and summary["epochs_completed"] == 14
+    assert summary["finished"] and summary["epochs_completed"] == epochs
     again.assert_cleaned_up()
     assert temp_entries() <= before, temp_entries() - before
     report("driver killed", fault_to_job_end=job.ended - driver_killed, world_sizes=sizes, orphans=0)
@@ -126,8 +171,10 @@ def test_lost_node_fixed_size_gets_its_workers_back_and_when_it_cannot_requeues(
     exact step) and finishes."""
     before = temp_entries()
     wait_s = 40
+    # A timed checkpoint falls due at every poll with no upload in flight (0.001 min = 60 ms, less
+    # than any 5 steps), so one comes after the restart however fast the machine is.
     job = Job(slurm_cluster, tmp_path, ["train", *CHAOS, "--epochs", "4", "--resource-wait-s", str(wait_s),
-                                        "--checkpoint-every-min", "0.05"],
+                                        "--checkpoint-every-min", "0.001"],
               env={"RJ_NODE_RESTARTS": "1", "RJ_NODE_RESTART_S": "5"})
     job.wait_for(lambda: "Epoch [2/4], Step [8/16]" in job.output, timeout=400, what="epoch 2 under way")
     first = kill_job_processes(job, "node2")
@@ -135,17 +182,16 @@ def test_lost_node_fixed_size_gets_its_workers_back_and_when_it_cannot_requeues(
     assert first, "no process of the job on node2"
     job.wait_for(lambda: "starting Ray on node2 again in 5 s (restart 1 of 1)" in job.output, timeout=120,
                  what="the script to start node2's Ray again")
-    back = job.wait_for(lambda: [e for e in events(job, "resumed") if e["time"] > fault], timeout=wait_s + 120,
+    back = job.wait_for(lambda: [e for e in events(job, Event.RESUMED) if e["time"] > fault], timeout=wait_s + 120,
                         what="training again after the restart")
     assert "--resource-wait-s" not in job.output.split("(restart 1 of 1)")[-1]  # no giving up
     report("fixed size, node2 killed and started again", fault_to_training_again=back[0]["time"] - fault)
 
-    def timed_after_restart():
-        return [e for e in events(job, "checkpoint_saved") if e["time"] > back[0]["time"] and e["step"] > 0]
-    job.wait_for(timed_after_restart, timeout=300, what="a timed checkpoint after the restart")
-    time.sleep(1)  # its report to Ray (after the event) is done; later ones may be cut off
+    frozen = frozen_at_a_timed_checkpoint(job, after=back[0]["time"])
     second = kill_job_processes(job, "node2")
     fault = time.time()
+    with contextlib.suppress(ProcessLookupError):  # rank 1 was on node1: it wakes to a lost peer
+        os.kill(frozen, signal.SIGCONT)
     assert second, "no process of the job on node2 the second time"
     info = job.wait_for(lambda: (lambda i: i if i.get("JobState") == "PENDING" else None)(job.info()),
                         timeout=300, what="the job to be requeued")
@@ -157,13 +203,13 @@ def test_lost_node_fixed_size_gets_its_workers_back_and_when_it_cannot_requeues(
     assert "the cluster lost the resources for the workers; requeueing" in job.output
     # Nothing lost beyond the last checkpoint the first run completed (rank 0 may complete one
     # after the kill, whose report to Ray never lands: the resume takes it all the same).
-    first_run = [e for e in events(job, "checkpoint_saved") if e["time"] < gave_up]
+    first_run = [e for e in events(job, Event.CHECKPOINT_SAVED) if e["time"] < gave_up]
     job.cluster.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now+2"])
 
     info = job.wait_done(timeout=500)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.tail()
     assert_two_node_run(job, epochs=4)
-    resumed = [(e["epoch"], e["step"]) for e in events(job, "resumed")]
+    resumed = [(e["epoch"], e["step"]) for e in events(job, Event.RESUMED)]
     latest = first_run[-1]
     assert resumed[-1] == (latest["epoch"], latest["step"]) and resumed[-1][1] > 0, (resumed, first_run)
     job.assert_cleaned_up()

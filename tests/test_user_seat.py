@@ -10,33 +10,26 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from ray_job.data.cifar10 import write_cifar10
 from ray_job.data.synthetic import make_synthetic
+from ray_job.train.runfiles import Event
 
-from conftest import README_FILES, Running, jpeg_folder, run_cli, strict_file, table_rows
+from conftest import README_FILES, Running, events, jpeg_folder, run_cli, strict_file, table_rows, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 MODEL = ["--model", "resnet18", "--stem", "imagenet", "--batch-size", "64"]
 
 
-def train(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return run_cli("train", *args, cwd=cwd, timeout=timeout)
-
-
 @pytest.fixture
-def user_dir(tmp_path):
-    """A user's own folder holding a small CIFAR-10 in torchvision's format under ./data."""
-    home = tmp_path / "me"
-    home.mkdir()
-    write_cifar10(str(home / "data"), make_synthetic(512, 0, True), make_synthetic(128, 0, False))
-    return home
+def user_dir(user_dir):
+    """The user's folder (conftest's), holding a small CIFAR-10 in torchvision's format under ./data."""
+    write_cifar10(str(user_dir / "data"), make_synthetic(512, 0, True), make_synthetic(128, 0, False))
+    return user_dir
 
 
 def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_dir):
@@ -109,52 +102,63 @@ def _ours(proc, settle_s: float = 30) -> list:
         time.sleep(0.5)
 
 
+@pytest.mark.timeout(1200)  # five runs of the README's command, three epochs
 def test_ctrl_c_checkpoints_where_it_is_and_the_same_command_continues(user_dir, ray_cluster):
     """Ctrl-C (SIGINT to the terminal's process group) during epoch 2 of the README's command: exit
     130 with the line that says what was kept, summary.json says interrupted, nothing left running;
     then Ctrl-C twice: aborted at once, the previous checkpoint intact; a stop request written by
     hand (.preempt, as the README says): exit 3; and the same command once more continues at the
-    saved step and finishes."""
-    # 1024 images: 16 steps per epoch; Ctrl-C at step 4 of epoch 2 stops there 2-4 steps later
+    saved step and finishes.
+
+    No step of this races the run: --epochs 3 leaves an epoch after the one interrupted, so a stop
+    asked anywhere in epoch 2 (even after its last poll: then at its end) stops the run instead of
+    finishing it; the second Ctrl-C follows the driver's own line that it took the first; the
+    .preempt file is written right after the driver cleared the old one, before the first step."""
+    # 1024 images: 16 steps per epoch; the workers look for a stop request every 5 steps
     args = ["train", "--data", "synthetic", "--synthetic-train-size", "1024", "--synthetic-test-size", "128",
-            "--storage-path", "results", "--name", "stopme", "--num-workers", "2", "--epochs", "2",
+            "--storage-path", "results", "--name", "stopme", "--num-workers", "2", "--epochs", "3",
             *MODEL, "--log-every", "2"]
     run_dir = user_dir / "results" / "stopme"
     first = Running(*args, cwd=user_dir)  # its own local cluster, as the README's command starts
-    first.wait_for(lambda: "Epoch [2/2], Step [4/" in first.out, timeout=400)
+    first.wait_for(lambda: "Epoch [2/3], Step [" in first.out, timeout=400)
     first.signal_group(signal.SIGINT)
     interrupted = time.monotonic()
     assert first.finish() == 130, first.out[-4000:]
-    stopped = re.search(r"stopped at epoch 2 step (\d+) \(Ctrl-C\); checkpoint saved. Run the same "
+    stopped = re.search(r"stopped at epoch (\d+) step (\d+) \(Ctrl-C\); checkpoint saved. Run the same "
                         r"command again to continue.", first.out)
     assert stopped, first.out[-3000:]
-    print(f"\nCtrl-C: exit 130 {time.monotonic() - interrupted:.1f} s later, at epoch 2 step {stopped[1]}")
+    position = (int(stopped[1]) - 1, int(stopped[2]))  # as the checkpoint holds it: epoch 0-based
+    assert (1, 1) <= position <= (2, 0), position  # in epoch 2, or at its end if asked after its last poll
+    print(f"\nCtrl-C: exit 130 {time.monotonic() - interrupted:.1f} s later, at epoch {stopped[1]} step {stopped[2]}")
     summary = strict_file(run_dir / "summary.json")
     assert not summary["finished"] and summary["stopped"] == "Ctrl-C" and summary["latest_checkpoint"]
-    assert load_state(summary["latest_checkpoint"])[:2] == (1, int(stopped[1]))
+    assert load_state(summary["latest_checkpoint"])[:2] == position
     assert not _ours(first.proc) and not (run_dir / ".lease.json").exists()
 
     second = Running(*args, cwd=user_dir)
     second.wait_for(lambda: "Step [" in second.out, timeout=400)
     second.signal_group(signal.SIGINT)
-    time.sleep(0.5)
+    # the second once the driver took the first (two before its handler runs would count as one);
+    # the stop it asked for is at least a poll, a checkpoint and Ray's report away
+    second.wait_for(lambda: "Ctrl-C: asked the workers to checkpoint and stop" in second.out, every=0.05)
     second.signal_group(signal.SIGINT)
     assert second.finish(timeout=60) == 130, second.out[-3000:]
     assert "aborted by a second Ctrl-C" in second.out and summary["latest_checkpoint"] in second.out
     assert not _ours(second.proc)
-    assert load_state(summary["latest_checkpoint"])[:2] == (1, int(stopped[1]))  # intact
+    assert load_state(summary["latest_checkpoint"])[:2] == position  # intact
 
     third = Running(*args, cwd=user_dir, env=ray_cluster.user_env())
-    third.wait_for(lambda: (run_dir / "events.jsonl").exists() and "Step [" in third.out, timeout=400)
+    # "config:" follows the driver's clearing of an old request: the file is there before any step
+    third.wait_for(lambda: "config:" in third.out, timeout=400, every=0.1)
     (run_dir / ".preempt").write_text("asked by hand, as the README says")  # relative to me
     assert third.finish() == 3, third.out[-3000:]
     assert "Run the same command again to continue" in third.out
 
     again = run_cli(*args, cwd=user_dir, env=ray_cluster.user_env())
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
-    resumed = [e for e in strict_file(run_dir / "events.jsonl") if e["event"] == "resumed"]
-    assert resumed[0] == {**resumed[0], "epoch": 1, "step": int(stopped[1])}  # at the exact step
-    assert [r["epoch"] for r in strict_file(run_dir / "metrics.jsonl")] == [1, 2]
+    resumed = events(run_dir, Event.RESUMED)
+    assert resumed[0] == {**resumed[0], "epoch": position[0], "step": position[1]}  # at the exact step
+    assert [r["epoch"] for r in strict_file(run_dir / "metrics.jsonl")] == [1, 2, 3]
     assert not (run_dir / ".preempt").exists()
 
 
