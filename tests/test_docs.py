@@ -1,17 +1,30 @@
-"""The snippet of docs/training.md#using-a-checkpoint, run as written on a real checkpoint file: it
-loads the model and feeds it what training fed it (the device's normalisation, augment.py)."""
+"""What the documents show, held to the code: the README's first command and the output it shows, and
+the snippet of docs/training.md#using-a-checkpoint run as written on a real checkpoint file."""
 
 import os
 import re
 
 import torch
 
-from ray_job.config import TrainConfig
+from ray_job.config import TrainConfig, parse_train_args
 from ray_job.data.augment import DeviceAugment
 from ray_job.model.resnet import build_model
 from ray_job.train.checkpoint import CHECKPOINT_FILE, save_checkpoint
+from ray_job.train.metrics import TABLE_HEAD
 
-DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "training.md")
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+DOC = os.path.join(ROOT, "docs", "training.md")
+
+
+def test_the_readme_shows_the_run_name_and_table_its_first_command_prints(tmp_path):
+    """The default name is a hash of what the run computes: a field that changes it changes the
+    README's output too (run the command in a fresh clone and paste its end)."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    command = re.search(r"^\.venv/bin/python -m ray_job train (.*)$", readme, re.M).group(1)
+    name = parse_train_args(command.split()).with_resolved_paths(str(tmp_path)).default_name()
+    shown = re.search(r"^results: \S+/results/(\S+)$", readme, re.M).group(1)
+    assert shown == name
+    assert f"\n{TABLE_HEAD}\n" in readme
 
 
 def snippet() -> str:
