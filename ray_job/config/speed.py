@@ -43,7 +43,7 @@ def gpu_has_bf16() -> bool:
 
     if not torch.cuda.is_available():
         return True
-    return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.version.hip is not None or torch.cuda.get_device_capability()[0] >= 8
 
 
 def choose_use_gpu(requested: Optional[bool], cluster_gpus: float) -> bool:
