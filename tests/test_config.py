@@ -92,34 +92,6 @@ def test_speed_and_gpu_choices_have_one_home():
         choose_use_gpu(True, 0)
 
 
-def test_progress_lines_every_n_steps_with_speed_and_eta(caplog):
-    import logging
-
-    import torch
-
-    from ray_job.train.engine import Step
-    from ray_job.train.progress import Progress, hms
-
-    logger = logging.getLogger("ray_job")
-    logger.propagate, logger.level = True, logging.INFO
-    p = Progress("lines", epoch=0, epochs=3, steps=10, start_step=0, global_batch=64, log_every=4,
-                 every_s=3600)
-    with caplog.at_level(logging.INFO, logger="ray_job"):
-        for step in range(1, 11):
-            p.on_step(Step(step, torch.tensor(2.0 - step / 10), 0.001, 0.01))
-    lines = [r.getMessage() for r in caplog.records if "Step [" in r.getMessage()]
-    assert [line.split("Step [")[1].split("]")[0] for line in lines] == ["1/10", "4/10", "8/10", "10/10"]
-    assert all("Epoch [1/3]" in line and "img/s" in line and "ETA epoch" in line and ", run " in line
-               for line in lines)
-    assert "Loss: 1.9000" in lines[0] and "data 1.0 ms, train 10.0 ms" in lines[0]
-    assert hms(3725) == "1:02:05" and hms(65) == "1:05"
-    quiet = Progress("lines", 0, 1, 10, 0, 64, log_every=0)
-    with caplog.at_level(logging.INFO, logger="ray_job"):
-        caplog.clear()
-        quiet.on_step(Step(1, torch.tensor(1.0), 0.0, 0.0))
-    assert not caplog.records  # --log-every 0: epoch lines only
-
-
 def test_default_name_is_the_same_for_the_same_command():
     base = parse_train_args(["--data", "synthetic", "--model", "resnet18"]).with_resolved_paths()
     same = parse_train_args(["--model", "resnet18", "--data", "synthetic", "--epochs", "7",

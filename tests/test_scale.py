@@ -61,6 +61,7 @@ def test_sweep_strong_and_weak_on_one_and_two_workers(ray_joined, tmp_path, caps
         assert min(r["data_s_per_step"], r["compute_s_per_step"], r["optim_s_per_step"]) >= 0
         assert (r["comm_wait_s_per_step"] == 0) if n == 1 else (r["comm_wait_s_per_step"] >= 0)
         assert (out / r["run"] / "summary.json").exists()
+        assert strict_json((out / r["run"] / "config.json").read_text())["measure_comm_wait"]  # the sweep asks
 
     _assert_csv_matches_json(out / "scaling.csv", rows)
     _assert_valid_png(out / "scaling.png")

@@ -16,7 +16,7 @@ from ..core.errors import UsageError
 from ..core.flags import ArgumentParser, Formatter, add_dataclass_args, option
 
 # A fixed, short amount of work per point; --sync-timing makes the GPU step split exact.
-SCALE_DEFAULTS = dict(epochs=1, steps_per_epoch=50, sync_timing=True, max_failures=0)
+SCALE_DEFAULTS = dict(epochs=1, steps_per_epoch=50, sync_timing=True, measure_comm_wait=True, max_failures=0)
 MODES = {"strong": "global", "weak": "per-worker"}  # scaling mode -> --batch-mode
 # Train flags the sweep sets per point, so they are not flags of `scale`.
 POINT_FIELDS = ("num_workers", "batch_mode")

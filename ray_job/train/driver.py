@@ -31,7 +31,7 @@ from ..storage import StorageError
 from ..storage.lease import Lease
 from . import stop, tracked
 from .checkpoint import load_checkpoint
-from .checkpointer import Checkpointer
+from .checkpointer import SCORE_METRIC, SCORE_ORDER
 from .runfiles import CONFIG_JSON
 from .summary import (aborted, announce_finished, finished_summary, resources_lost, storage_failed,
                       summary_table, write_summary)
@@ -256,9 +256,7 @@ def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any]
     if outcome.get("usage_error"):  # bad input that only the workers could see: exit 2, one line
         raise UsageError(outcome["usage_error"])
     root = storage.at(cfg.storage_path)
-    kept = Checkpointer.retention(cfg.keep_checkpoints)  # the best by the metric that keeps them
-    best = (result.get_best_checkpoint(kept["checkpoint_score_attribute"], kept["checkpoint_score_order"])
-            if result.best_checkpoints else None)
+    best = result.get_best_checkpoint(SCORE_METRIC, SCORE_ORDER) if result.best_checkpoints else None
     best, latest = (root.at_path(c.path).uri if c else None for c in (best, result.checkpoint))
     if outcome.get("storage_error"):
         return storage_failed(cfg, started, outcome["storage_error"], latest)

@@ -7,7 +7,7 @@ config.json, metrics, TensorBoard, checkpoints and summary.json, and `python -m 
 the same flags continues it.
 
 Only epoch results reach Tune (EpochResults): the worker loop also reports when a background
-checkpoint upload finishes and at timed or stop checkpoints (test_acc -1); Tune, its scheduler and
+checkpoint upload finishes and at timed or stop checkpoints (test_acc UNSCORED); Tune, its scheduler and
 its searcher see exactly one result per finished epoch, with `epoch` as the time attribute.
 
 How a trial ends, as Tune must see it:
