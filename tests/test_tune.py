@@ -198,9 +198,9 @@ def test_the_searchers_propose_values_inside_the_space(how):
 
 # --- one search on the session's Ray head -------------------------------------------------------
 
-# 16 steps an epoch: ASHA's decision on epoch 1 (it comes a few seconds after the epoch) lands
-# before the run's last epoch is over.
-SEARCH = [*TINY, "--num-workers", "1", "--epochs", "3", "--synthetic-train-size", "1024",
+# 32 steps an epoch: ASHA's decision on epoch 1 (it comes a few seconds after the epoch, however fast
+# the machine) reaches a trial it stops while 64 steps are left.
+SEARCH = [*TINY, "--num-workers", "1", "--epochs", "3", "--synthetic-train-size", "2048",
           "--synthetic-test-size", "128", "--space", "lr=loguniform:0.00001:1", "--num-samples", "3",
           "--max-concurrent-trials", "2", "--reduction-factor", "2", "--storage-path", "results",
           "--name", "search", "--mlflow"]
@@ -340,8 +340,11 @@ def test_sbatch_tune_survives_usr1_and_requeue(slurm_cluster, tmp_path):
                                         "--space", "lr=loguniform:0.01:0.5", "--num-samples", "2",
                                         "--scheduler", "none"])
     trials = [job.run_dir / "trial_000", job.run_dir / "trial_001"]
-    job.wait_for(lambda: all(t.exists() and events(t, "first_step") for t in trials), timeout=500,
-                 what="both trials to train")
+    # USR1 once both trials' runs hold their folders (config.json, written after a run clears an old
+    # request and before its workers start): the request reaches them before their first step, so
+    # both stop mid-epoch 1 on any machine, never after their last epoch.
+    job.wait_for(lambda: all((t / "config.json").exists() for t in trials), timeout=500,
+                 what="both trials to start")
     job.cluster.run(["scancel", "--batch", "--signal=USR1", str(job.id)])
     info = job.wait_for(lambda: (lambda i: i if i.get("JobState") == "PENDING" else None)(job.info()),
                         timeout=300, what="the job to be requeued")
