@@ -25,10 +25,10 @@
 # teardown by PID, requeue.
 set -euo pipefail
 
-# The RJ_* knobs and their defaults (docs/slurm.md says what each does; RJ_NODE_RESTARTS and
-# RJ_NODE_RESTART_S are read by ray_job/cluster/slurm.py):
+# The RJ_* knobs the script reads, and their defaults (docs/slurm.md says what each does; the
+# others are read by ray_job: RJ_PORT_* by cluster/ports.py, RJ_NODE_RESTART* by cluster/slurm.py):
 : "${RJ_PYTHON:=python}" "${RJ_CLUSTER_TIMEOUT:=300}" "${RJ_PREEMPT_GRACE:=240}" "${RJ_STOP_TIMEOUT:=30}"
-: "${RJ_PORT_BASE:=20000}" "${RJ_PORT_MAX:=32767}" "${RJ_TMP_ROOT:=/tmp}" "${RJ_HEAD_IP:=}" "${RJ_DASHBOARD:=1}"
+: "${RJ_TMP_ROOT:=/tmp}" "${RJ_HEAD_IP:=}" "${RJ_DASHBOARD:=1}"
 : "${RJ_START_ARGS:=}" "${RJ_WORKER_START_ARGS:=}"
 
 JOB_ID="" RESTART_COUNT=0 LOG_DIR="" CPUS_PER_NODE=1 GPUS_PER_NODE=0 MODE=train
@@ -37,7 +37,7 @@ DRIVER_ARGS=()        # `python -m ray_job $MODE` flags (the head: RAY_ADDRESS, 
 NODES=() NODE_IPS=()  # SLURM node names and their addresses; index 0 hosts the head
 NODE_PIDS=()          # PIDs of the `srun ... ray start --block` steps, same order
 NODE_RESTARTS=() NODE_RETRY_AT=()  # restarts of each node's Ray so far; when the next is due (0: none due, -1: never)
-DRIVER_PID="" PREEMPT_REQUESTED=0 PREEMPT_DEADLINE=0
+DRIVER_PID="" WAITER_PID="" PREEMPT_REQUESTED=0 PREEMPT_DEADLINE=0
 JOB_TMP="" TOKEN_FILE="" GCS_ADDRESS="" DASHBOARD_PORT="" ACCESS_FILES=()
 
 log() { printf '%s [slurm_ray_start] %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "$*" >&2; }
@@ -49,7 +49,6 @@ cluster() { "$RJ_PYTHON" -m ray_job.cluster "$@"; }
 plan_job() {
   local -a plan nodes
   local i rc=0 key text
-  [[ -n ${SLURM_JOB_ID:-} ]] || die 2 "SLURM_JOB_ID is not set. HINT: submit with 'sbatch slurm_ray_start.sh ...'"
   "$RJ_PYTHON" -c 'import ray_job' 2>/dev/null ||
     die 2 "'$RJ_PYTHON' cannot import ray_job. HINT: set RJ_PYTHON to the interpreter that has ray_job and ray installed"
   mapfile -d '' -t plan < <("$RJ_PYTHON" -m ray_job.commands.slurm_plan "$@")
@@ -99,15 +98,14 @@ start_node() {
   RJ_TOKEN=$(<"$TOKEN_FILE") srun --nodes=1 --ntasks=1 --overlap -w "$node" --job-name="ray-$node" \
     --export=ALL "${gpus[@]}" "$RJ_PYTHON" -m ray_job.cluster step --tmp "$JOB_TMP/n$i.${NODE_RESTARTS[i]}" \
     --block "$block" --job-id "$JOB_ID" --node-index "$i" --restarts "${NODE_RESTARTS[i]}" \
-    --keep-logs "$LOG_DIR/$node.${NODE_RESTARTS[i]}" \
-    --range "$RJ_PORT_BASE" "$RJ_PORT_MAX" "${head[@]}" -- "${args[@]}" \
+    --keep-logs "$LOG_DIR/$node.${NODE_RESTARTS[i]}" "${head[@]}" -- "${args[@]}" \
     >>"$LOG_DIR/$node.log" 2>&1 &
   NODE_PIDS[i]=$!
 }
 
 start_head() {
   local block gcs_port text
-  text=$(cluster head-block --job-id "$JOB_ID" --range "$RJ_PORT_BASE" "$RJ_PORT_MAX") || exit $?
+  text=$(cluster head-block --job-id "$JOB_ID") || exit $?
   read -r block gcs_port DASHBOARD_PORT <<<"$text"
   GCS_ADDRESS=${NODE_IPS[0]}:$gcs_port
   # Ray's own clients that get no address (Train's PlacementGroupCleaner, the state API) would
@@ -126,19 +124,21 @@ start_worker() {
 }
 
 # Until exactly the nodes given, with their GPUs, are alive (ray_job/cluster/readiness.py decides,
-# and names what is missing); in the background, so that USR1 is handled while it waits.
+# and names what is missing; its lines go to the log). In the background, read through a FIFO, so
+# that USR1 is handled (and ends the wait) while it runs.
 wait_for_nodes() {
-  local i rc=0
+  local i line rc=0 fifo=$JOB_TMP/wait
   local -a steps=()
   for i in "${!NODE_PIDS[@]}"; do steps+=(--step "${NODES[i]}=${NODE_PIDS[i]}"); done
-  cluster wait "$GCS_ADDRESS" --nodes "$@" --gpus-per-node "$GPUS_PER_NODE" --timeout $((CLUSTER_DEADLINE - SECONDS)) \
-    --log-dir "$LOG_DIR" "${steps[@]}" &
-  local waiter=$!
-  while :; do
-    wait "$waiter" && return 0 || rc=$?
-    if ((PREEMPT_REQUESTED)); then kill "$waiter" 2>/dev/null || true; wait "$waiter" 2>/dev/null || true; return 0; fi
-    kill -0 "$waiter" 2>/dev/null || exit "$rc"  # not a trap that woke us: the wait failed
-  done
+  mkfifo "$fifo"
+  "$RJ_PYTHON" -m ray_job.cluster wait "$GCS_ADDRESS" --nodes "$@" --gpus-per-node "$GPUS_PER_NODE" \
+    --timeout $((CLUSTER_DEADLINE - SECONDS)) --log-dir "$LOG_DIR" "${steps[@]}" >"$fifo" 2>&1 &
+  WAITER_PID=$!
+  while IFS= read -r line; do log "$line"; done <"$fifo"
+  rm -f "$fifo"
+  wait "$WAITER_PID" || rc=$?
+  WAITER_PID=""
+  ((rc == 0 || PREEMPT_REQUESTED)) || exit "$rc"
 }
 
 # Head first, then the other nodes: starting them all at once made worker raylets miss Ray's
@@ -193,6 +193,7 @@ on_usr1() {
   PREEMPT_REQUESTED=1 PREEMPT_DEADLINE=$((SECONDS + RJ_PREEMPT_GRACE))
   log "USR1: preemption or time limit; asking the driver to checkpoint and stop"
   [[ -z $DRIVER_PID ]] || kill -USR1 "$DRIVER_PID" 2>/dev/null || true  # the driver asks its workers
+  [[ -z $WAITER_PID ]] || kill "$WAITER_PID" 2>/dev/null || true  # no cluster to wait for
 }
 
 run_driver() {

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from slurm_jobs import SCRIPT, TINY, Job, assert_two_node_run
 
 
@@ -36,9 +37,11 @@ def test_shellcheck_clean():
 
 def test_outside_slurm_it_says_how_to_submit(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(RJ_PYTHON=sys.executable, PYTHONPATH=str(ROOT))  # as with the project's venv active
     out = subprocess.run(["bash", str(SCRIPT), "--epochs", "1"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "HINT: submit with 'sbatch slurm_ray_start.sh" in out.stderr
+    assert out.stderr.startswith("error: SLURM_JOB_ID is not set") and out.stderr.count("\n") == 1
     assert list(tmp_path.iterdir()) == []  # nothing created
 
 

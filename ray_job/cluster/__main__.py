@@ -1,26 +1,27 @@
 """`python -m ray_job.cluster COMMAND`: the cluster facts for bash (slurm_ray_start.sh) and YAML
 (cluster.yaml), so that neither restates them.
 
-    ports --base B [--head] [--size N]         `ray start` port flags of a node's block, one a line
+    ports [--head]                              a node's `ray start` port flags, one a line: the ports
+                                                to open between cluster.yaml's machines (RJ_PORT_BASE)
     env                                         Ray's environment defaults, as `export K=V` lines
     token PATH                                  a fresh auth token in a new 0600 file
     nodes NODELIST [--head-ip IP]               "NAME IP" per SLURM node, the head first
-    status HOST:PORT                            "<GPUs> <alive nodes...>", or "down"
     wait HOST:PORT --nodes N.. --gpus-per-node G --timeout S --log-dir D [--step NODE=PID ...]
                                                 until those nodes, with G GPUs each, are up (exit 4 and
-                                                why, if not)
-    head-block --job-id J --range LO HI          "BASE GCS_PORT DASHBOARD_PORT" of a free block for the head
+                                                why, if not); progress lines on stderr
+    head-block --job-id J                       "BASE GCS_PORT DASHBOARD_PORT" of a free block for the head
     exit-action RC|none STOP_REQUESTED [--run-name R]
                                                 "requeue STATUS_IF_REFUSED WHY" or "exit RC [WHY]" (core/exits.py)
     node-restart NODE RESTARTS                  "SECONDS WHY": when to start NODE's Ray again after RESTARTS
                                                 restarts (-1: never); RJ_NODE_RESTARTS, RJ_NODE_RESTART_S (slurm.py)
     access --log-dir D --token T --head-ip IP --dashboard-port P --gcs HOST:PORT
                                                 the clients' files (a token copy, cluster.env), one path a line
-    step --tmp D --block B|probe --job-id J --node-index I [--restarts N] [--keep-logs D] --range LO HI [--head]
+    step --tmp D --block B|probe --job-id J --node-index I [--restarts N] [--keep-logs D] [--head]
          -- RAY_START_ARGS...
                                                 a SLURM step's Ray node (node.py)
-    start --state-dir D --temp-dir T --base B [--head-ip IP] [-- RAY_START_ARGS...]
+    start --state-dir D --temp-dir T [--head-ip IP] [-- RAY_START_ARGS...]
                                                 a cluster.yaml node, detached (node.py)
+The ports come from RJ_PORT_BASE to RJ_PORT_MAX (ports.py: 20000 to 32767 by default).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import os
 import sys
 
+from ..core.errors import UsageError
 from ..core.exits import ExitCode, slurm_action
 
 
@@ -36,17 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ray_job.cluster", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("ports")
-    c.add_argument("--base", type=int, required=True)
     c.add_argument("--head", action="store_true")
-    c.add_argument("--size", type=int, default=200)
     sub.add_parser("env")
     c = sub.add_parser("token")
     c.add_argument("path")
     c = sub.add_parser("nodes")
     c.add_argument("nodelist")
     c.add_argument("--head-ip", default="")
-    c = sub.add_parser("status")
-    c.add_argument("address")
     c = sub.add_parser("wait")
     c.add_argument("address")
     c.add_argument("--nodes", nargs="+", required=True)
@@ -56,8 +54,6 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--step", action="append", default=[], help="NODE=PID of its `ray start` step")
     c = sub.add_parser("head-block")
     c.add_argument("--job-id", type=int, required=True)
-    c.add_argument("--range", type=int, nargs=2, required=True)
-    c.add_argument("--size", type=int, default=200)
     c = sub.add_parser("exit-action")
     c.add_argument("rc")
     c.add_argument("stop_requested", type=int)
@@ -78,14 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--node-index", type=int, default=0)
     c.add_argument("--restarts", type=int, default=0, help="how often this node's Ray was started again")
     c.add_argument("--keep-logs", default="", help="where a copy of Ray's logs goes if the node ends by itself")
-    c.add_argument("--range", type=int, nargs=2, required=True)
-    c.add_argument("--size", type=int, default=200)
     c.add_argument("--head", action="store_true")
     c.add_argument("args", nargs=argparse.REMAINDER)
     c = sub.add_parser("start")
     c.add_argument("--state-dir", required=True)
     c.add_argument("--temp-dir", required=True)
-    c.add_argument("--base", type=int, required=True)
     c.add_argument("--head-ip", default=None, help="join the head at this address (a worker); default: be the head")
     c.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -97,10 +90,18 @@ def _rest(args: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
-    if ns.command == "ports":
-        from .ports import ray_start_flags
+    try:
+        return _run(ns)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
 
-        print("\n".join(ray_start_flags(ns.base, ns.head, ns.size)))
+
+def _run(ns: argparse.Namespace) -> int:
+    if ns.command == "ports":
+        from .ports import port_range, ray_start_flags
+
+        print("\n".join(ray_start_flags(port_range(os.environ)[0], ns.head)))
     elif ns.command == "env":
         import shlex
 
@@ -120,18 +121,14 @@ def main(argv: list[str]) -> int:
         except NodeError as e:
             print(f"error: {e}", file=sys.stderr)
             return ExitCode.CLUSTER_DOWN
-    elif ns.command == "status":
-        from .readiness import cluster_status
-
-        print(cluster_status(ns.address).line())
     elif ns.command == "wait":
         return _wait(ns)
     elif ns.command == "head-block":
-        from .ports import dashboard_port, free_block, gcs_port, slot
+        from .ports import BLOCK, dashboard_port, free_block, gcs_port, port_range, slot
 
         try:
-            base = free_block(ns.size, *ns.range, slot=slot(ns.job_id, 0))
-        except (ValueError, RuntimeError) as e:
+            base = free_block(BLOCK, *port_range(os.environ), slot=slot(ns.job_id, 0))
+        except RuntimeError as e:
             print(f"error: no free ports for the head: {e}; change RJ_PORT_BASE / RJ_PORT_MAX", file=sys.stderr)
             return ExitCode.CLUSTER_DOWN
         print(base, gcs_port(base), dashboard_port(base))
@@ -151,18 +148,16 @@ def main(argv: list[str]) -> int:
         from .node import run_step
         from .ports import slot
 
-        return run_step(ns.tmp, ns.block, ns.head, _rest(ns.args), tuple(ns.range), ns.size,
+        return run_step(ns.tmp, ns.block, ns.head, _rest(ns.args),
                         slot=slot(ns.job_id, ns.node_index, ns.restarts), keep_logs=ns.keep_logs)
     elif ns.command == "start":
         from .node import start_detached
 
-        return start_detached(ns.state_dir, ns.temp_dir, ns.base, ns.head_ip, _rest(ns.args))
+        return start_detached(ns.state_dir, ns.temp_dir, ns.head_ip, _rest(ns.args))
     return 0
 
 
 def _wait(ns: argparse.Namespace) -> int:
-    import time
-
     from .readiness import NotReady, wait_for_nodes
 
     steps = {}
@@ -170,15 +165,14 @@ def _wait(ns: argparse.Namespace) -> int:
         node, _, pid = item.rpartition("=")
         steps[node] = int(pid)
 
-    def say(line: str) -> None:
-        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [slurm_ray_start] {line}", file=sys.stderr, flush=True)
+    def say(line: str) -> None:  # a line for the job log: the script stamps and writes it
+        print(line, file=sys.stderr, flush=True)
 
     try:
         wait_for_nodes(ns.address, ns.nodes, ns.gpus_per_node * len(ns.nodes), ns.timeout, steps, ns.log_dir, say)
     except NotReady as e:
         first, _, tails = str(e).partition("\n")
-        print(tails, end="", file=sys.stderr)
-        say(f"ERROR: {first}")
+        say(f"{tails}ERROR: {first}")
         return ExitCode.CLUSTER_DOWN
     return 0
 

@@ -28,8 +28,7 @@ def ray_cli() -> str:
     return os.path.join(os.path.dirname(sys.executable), "ray")
 
 
-def run_step(tmp: str, block: str, head: bool, args: list[str], port_range: tuple[int, int],
-             block_size: int, slot: int = 0, keep_logs: str = "") -> int:
+def run_step(tmp: str, block: str, head: bool, args: list[str], slot: int = 0, keep_logs: str = "") -> int:
     """Runs a SLURM step's Ray node until it ends or is sent SIGTERM/SIGINT; its exit status. A
     node that ends by itself leaves a copy of its Ray logs in `keep_logs` (if given)."""
     os.umask(0o077)
@@ -37,10 +36,10 @@ def run_step(tmp: str, block: str, head: bool, args: list[str], port_range: tupl
     token = os.path.join(tmp, "token")
     with open(token, "w") as f:
         f.write(os.environ.pop("RJ_TOKEN", ""))
-    base = ports.free_block(block_size, *port_range, slot=slot) if block == "probe" else int(block)
+    base = ports.free_block(ports.BLOCK, *ports.port_range(os.environ), slot=slot) if block == "probe" else int(block)
     env = {**os.environ, **rayenv.defaults(os.environ), **rayenv.auth_env(token)}
     cmd = [ray_cli(), "start", "--block", *(["--head"] if head else []), f"--temp-dir={tmp}",
-           *ports.ray_start_flags(base, head, block_size), *args]
+           *ports.ray_start_flags(base, head), *args]
     proc = subprocess.Popen(cmd, env=env)
     stopping: list[int] = []
 
@@ -109,11 +108,13 @@ def machine_resources() -> list[str]:
     return [f"--num-cpus={len(os.sched_getaffinity(0))}", f"--num-gpus={gpus}"]
 
 
-def start_detached(state_dir: str, temp_dir: str, base: int, head_ip: Optional[str],
-                   extra: list[str], wait_s: float = 120) -> int:
-    """cluster.yaml's start command (see the module); 0 once the node runs."""
+def start_detached(state_dir: str, temp_dir: str, head_ip: Optional[str], extra: list[str],
+                   wait_s: float = 120) -> int:
+    """cluster.yaml's start command (see the module); 0 once the node runs. Every machine's block
+    starts at RJ_PORT_BASE."""
     import ray.util
 
+    base = ports.port_range(os.environ)[0]
     state_dir = os.path.expanduser(state_dir)
     pid_file, log_file = os.path.join(state_dir, "ray.pid"), os.path.join(state_dir, "ray.log")
     stop_previous(pid_file)
