@@ -205,9 +205,8 @@ class TrainConfig:
             raise UsageError("--label-smoothing must be below 1")
         if self.resource_wait_s <= 0 or self.collective_timeout_s <= 0 or self.grow_check_s <= 0:
             raise UsageError("--resource-wait-s, --collective-timeout-s and --grow-check-s must be positive")
-        if self.min_workers and self.num_workers and self.min_workers > self.num_workers:
-            raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers "
-                             f"{self.num_workers}; give --min-workers <= --num-workers")
+        if self.num_workers:
+            self.check_min_workers(self.num_workers)
         if self.image_size < 8:
             raise UsageError(f"--image-size must be at least 8, got {self.image_size}")
         if self.image_size != 32 and self.data in ("cifar10", "synthetic"):
@@ -228,6 +227,13 @@ class TrainConfig:
             raise UsageError(f"{' and '.join(given)} need --mlflow (tracking is off without it)")
 
     # Derived values: computed, never stored, so a dict round-trip cannot make them stale.
+    def check_min_workers(self, num_workers: int) -> None:
+        """--min-workers fits the run's `num_workers` (the given --num-workers, or the count taken
+        from the cluster when it is 0)."""
+        if self.min_workers > num_workers:
+            raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers {num_workers}; "
+                             f"give --min-workers <= --num-workers")
+
     def per_worker_batch(self, world_size: int) -> int:
         if self.batch_mode == "per-worker":
             return self.batch_size
