@@ -21,7 +21,6 @@
                                                 a SLURM step's Ray node (node.py)
     start --state-dir D --temp-dir T [--head-ip IP] [-- RAY_START_ARGS...]
                                                 a cluster.yaml node, detached (node.py)
-The ports come from RJ_PORT_BASE to RJ_PORT_MAX (ports.py: 20000 to 32767 by default).
 """
 
 from __future__ import annotations
@@ -35,7 +34,12 @@ from ..core.exits import ExitCode, slurm_action
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ray_job.cluster", description=__doc__.split("\n\n")[0])
+    from .ports import BASE, TOP
+
+    p = argparse.ArgumentParser(prog="python -m ray_job.cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"Every node's ports come from RJ_PORT_BASE to RJ_PORT_MAX ({BASE} to {TOP} "
+                                       f"by default).")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("ports")
     c.add_argument("--head", action="store_true")

@@ -92,7 +92,7 @@ class TrainConfig:
                                 "and scaling sweeps", "optimisation")
     seed: int = _opt(0, "random seed (model init, synthetic data, shuffling)", "optimisation")
     # --- model ---
-    model: str = _opt("resnet50", "torchvision ResNet depth (10 outputs for CIFAR-10)", "model", choices=MODELS)
+    model: str = _opt("resnet50", "torchvision ResNet depth (one output per class)", "model", choices=MODELS)
     stem: str = _opt("cifar", "'cifar': 3x3 stride-1 first conv, no max-pool: full 32x32 resolution, ~16x "
                      "the FLOPs of 'imagenet' (ResNet-50: 2.6 vs 0.17 GFLOPs per image forward), reaches "
                      "~95%% on CIFAR-10; 'imagenet': 7x7 stride-2 conv + max-pool: 8x downsampled at once, "
