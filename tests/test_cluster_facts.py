@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from ray_job.cluster import ports, rayenv, raypriv, readiness, slurm
+from ray_job.cluster import node, ports, rayenv, raypriv, readiness, slurm
 from ray_job.cluster.ports import free_port
 from ray_job.core.errors import UsageError
 from ray_job.core.exits import ExitCode, slurm_action
@@ -168,9 +168,28 @@ def test_exit_action_command():
     assert cluster_cli("exit-action", "0", "0").stdout.split() == ["exit", "0"]
 
 
-def test_node_restart_command():
+def test_node_restart_command(tmp_path):
     out = cluster_cli("node-restart", "n2", "1", env={"RJ_NODE_RESTART_S": "5", "RJ_NODE_RESTARTS": "2"})
-    assert out.stdout == "10 starting Ray on n2 again in 10 s (restart 2 of 2)\n"
+    assert out.stdout == "10 starting Ray on n2 again in 10 s (restart 2 of 2)\n" and out.stderr == ""
+    (tmp_path / "n2.log").write_text("".join(f"line {i}\n" for i in range(40)))
+    out = cluster_cli("node-restart", "n2", "3", "--log-dir", str(tmp_path))
+    assert out.stdout.startswith("-1 not starting Ray on n2 again")
+    assert f"last lines of {tmp_path}/n2.log" in out.stderr and "line 39\n" in out.stderr
+    assert "line 24\n" not in out.stderr  # its end only
+
+
+def test_a_slurm_steps_ray_start_flags():
+    env = {"RJ_START_ARGS": "--object-store-memory=300000000 --labels='a b'", "RJ_WORKER_START_ARGS": "--address=x:1"}
+    head = node.step_flags("10.0.0.1", "n1", 8, 2, None, True, env)
+    assert head[:5] == ["--node-ip-address=10.0.0.1", "--node-name=n1", "--num-cpus=8", "--num-gpus=2",
+                        "--disable-usage-stats"]
+    assert head[5:] == ["--include-dashboard=true", "--dashboard-host=10.0.0.1",  # the head's address only
+                        "--object-store-memory=300000000", "--labels=a b"]
+    assert node.step_flags("10.0.0.1", "n1", 8, 0, None, False, {})[5:] == ["--include-dashboard=false"]
+    worker = node.step_flags("10.0.0.2", "n2", 8, 0, "10.0.0.1:20000", False, env)
+    # the user's flags last, so that they win (a worker's own --address too)
+    assert worker[5:] == ["--address=10.0.0.1:20000", "--address=x:1", "--object-store-memory=300000000",
+                          "--labels=a b"]
 
 
 def test_node_addresses_refuse_a_mix_of_loopback_and_routable(monkeypatch):

@@ -12,13 +12,15 @@
     head-block --job-id J                       "BASE GCS_PORT DASHBOARD_PORT" of a free block for the head
     exit-action RC|none STOP_REQUESTED [--run-name R]
                                                 "requeue STATUS_IF_REFUSED WHY" or "exit RC [WHY]" (core/exits.py)
-    node-restart NODE RESTARTS                  "SECONDS WHY": when to start NODE's Ray again after RESTARTS
-                                                restarts (-1: never); RJ_NODE_RESTARTS, RJ_NODE_RESTART_S (slurm.py)
+    node-restart NODE RESTARTS [--log-dir D]    "SECONDS WHY": when to start NODE's Ray again after RESTARTS
+                                                restarts (-1: never); RJ_NODE_RESTARTS, RJ_NODE_RESTART_S (slurm.py);
+                                                the end of NODE's log in D on stderr
     access --log-dir D --token T --head-ip IP --dashboard-port P --gcs HOST:PORT
                                                 the clients' files (a token copy, cluster.env), one path a line
-    step --tmp D --block B|probe --job-id J --node-index I [--restarts N] [--keep-logs D] [--head]
-         -- RAY_START_ARGS...
-                                                a SLURM step's Ray node (node.py)
+    step --tmp D --block B|probe --job-id J --node-index I [--restarts N] [--keep-logs D]
+         --ip IP --name NODE --cpus C --gpus G (--head [--dashboard] | --address HOST:PORT)
+                                                a SLURM step's Ray node (node.py; RJ_START_ARGS,
+                                                RJ_WORKER_START_ARGS: extra `ray start` flags)
     start --state-dir D --temp-dir T [--head-ip IP] [-- RAY_START_ARGS...]
                                                 a cluster.yaml node, detached (node.py)
 """
@@ -65,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("node-restart")
     c.add_argument("node")
     c.add_argument("restarts", type=int)
+    c.add_argument("--log-dir", default="")
     c = sub.add_parser("access")
     c.add_argument("--log-dir", required=True)
     c.add_argument("--token", required=True)
@@ -78,8 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--node-index", type=int, default=0)
     c.add_argument("--restarts", type=int, default=0, help="how often this node's Ray was started again")
     c.add_argument("--keep-logs", default="", help="where a copy of Ray's logs goes if the node ends by itself")
-    c.add_argument("--head", action="store_true")
-    c.add_argument("args", nargs=argparse.REMAINDER)
+    c.add_argument("--ip", required=True)
+    c.add_argument("--name", required=True)
+    c.add_argument("--cpus", type=int, required=True)
+    c.add_argument("--gpus", type=int, default=0)
+    role = c.add_mutually_exclusive_group(required=True)
+    role.add_argument("--head", action="store_true")
+    role.add_argument("--address", help="the head's GCS HOST:PORT, for a worker node")
+    c.add_argument("--dashboard", action="store_true", help="the head's dashboard and job server")
     c = sub.add_parser("start")
     c.add_argument("--state-dir", required=True)
     c.add_argument("--temp-dir", required=True)
@@ -141,19 +150,23 @@ def _run(ns: argparse.Namespace) -> int:
                                        ns.run_name)
         print(action, rc, why)
     elif ns.command == "node-restart":
+        from .readiness import log_tail
         from .slurm import NodeRestarts
 
+        if ns.log_dir:
+            print(log_tail(ns.log_dir, ns.node), end="", file=sys.stderr)
         print(*NodeRestarts.from_env(os.environ).next(ns.node, ns.restarts))
     elif ns.command == "access":
         from .rayenv import write_access_files
 
         print("\n".join(write_access_files(ns.log_dir, ns.token, ns.head_ip, ns.dashboard_port, ns.gcs)))
     elif ns.command == "step":
-        from .node import run_step
+        from .node import run_step, step_flags
         from .ports import slot
 
-        return run_step(ns.tmp, ns.block, ns.head, _rest(ns.args),
-                        slot=slot(ns.job_id, ns.node_index, ns.restarts), keep_logs=ns.keep_logs)
+        flags = step_flags(ns.ip, ns.name, ns.cpus, ns.gpus, ns.address, ns.dashboard, os.environ)
+        return run_step(ns.tmp, ns.block, ns.head, flags, slot=slot(ns.job_id, ns.node_index, ns.restarts),
+                        keep_logs=ns.keep_logs)
     elif ns.command == "start":
         from .node import start_detached
 

@@ -12,11 +12,13 @@ Two ways to run it:
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import Optional
 
 from . import ports, rayenv
@@ -26,6 +28,20 @@ STARTED = "Ray runtime started"
 
 def ray_cli() -> str:
     return os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+def step_flags(ip: str, name: str, cpus: int, gpus: int, head_address: Optional[str], dashboard: bool,
+               env: Mapping[str, str]) -> list[str]:
+    """A SLURM step's `ray start` flags beside its ports: its address, name and resources; on the
+    head the dashboard (on the head's address only) or none, on the others the head's address and
+    RJ_WORKER_START_ARGS; then RJ_START_ARGS (every node), last so that the user's flags win."""
+    flags = [f"--node-ip-address={ip}", f"--node-name={name}", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
+             "--disable-usage-stats"]
+    if head_address:
+        flags += [f"--address={head_address}", *shlex.split(env.get("RJ_WORKER_START_ARGS", ""))]
+    else:
+        flags += ["--include-dashboard=true", f"--dashboard-host={ip}"] if dashboard else ["--include-dashboard=false"]
+    return flags + shlex.split(env.get("RJ_START_ARGS", ""))
 
 
 def run_step(tmp: str, block: str, head: bool, args: list[str], slot: int = 0, keep_logs: str = "") -> int:
@@ -40,6 +56,7 @@ def run_step(tmp: str, block: str, head: bool, args: list[str], slot: int = 0, k
     env = {**os.environ, **rayenv.defaults(os.environ), **rayenv.auth_env(token)}
     cmd = [ray_cli(), "start", "--block", *(["--head"] if head else []), f"--temp-dir={tmp}",
            *ports.ray_start_flags(base, head), *args]
+    print(" ".join(cmd), flush=True)  # to the node's log
     proc = subprocess.Popen(cmd, env=env)
     stopping: list[int] = []
 
