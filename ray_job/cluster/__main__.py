@@ -1,29 +1,5 @@
 """`python -m ray_job.cluster COMMAND`: the cluster facts for bash (slurm_ray_start.sh) and YAML
-(cluster.yaml), so that neither restates them.
-
-    ports [--head]                              a node's `ray start` port flags, one a line: the ports
-                                                to open between cluster.yaml's machines (RJ_PORT_BASE)
-    env                                         Ray's environment defaults, as `export K=V` lines
-    token PATH                                  a fresh auth token in a new 0600 file
-    nodes NODELIST [--head-ip IP]               "NAME IP" per SLURM node, the head first
-    wait HOST:PORT --nodes N.. --gpus-per-node G --timeout S --log-dir D [--step NODE=PID ...]
-                                                until those nodes, with G GPUs each, are up (exit 4 and
-                                                why, if not); progress lines on stderr
-    head-block --job-id J                       "BASE GCS_PORT DASHBOARD_PORT" of a free block for the head
-    exit-action RC|none STOP_REQUESTED [--run-name R]
-                                                "requeue STATUS_IF_REFUSED WHY" or "exit RC [WHY]" (core/exits.py)
-    node-restart NODE RESTARTS [--log-dir D]    "SECONDS WHY": when to start NODE's Ray again after RESTARTS
-                                                restarts (-1: never); RJ_NODE_RESTARTS, RJ_NODE_RESTART_S (slurm.py);
-                                                the end of NODE's log in D on stderr
-    access --log-dir D --token T --head-ip IP --dashboard-port P --gcs HOST:PORT
-                                                the clients' files (a token copy, cluster.env), one path a line
-    step --tmp D --block B|probe --job-id J --node-index I [--restarts N] [--keep-logs D]
-         --ip IP --name NODE --cpus C --gpus G (--head [--dashboard] | --address HOST:PORT)
-                                                a SLURM step's Ray node (node.py; RJ_START_ARGS,
-                                                RJ_WORKER_START_ARGS: extra `ray start` flags)
-    start --state-dir D --temp-dir T [--head-ip IP] [-- RAY_START_ARGS...]
-                                                a cluster.yaml node, detached (node.py)
-"""
+(cluster.yaml), so that neither restates them (`--help` lists the commands, `COMMAND --help` their flags)."""
 
 from __future__ import annotations
 
@@ -38,43 +14,47 @@ from ..core.exits import ExitCode, slurm_action
 def _parser() -> argparse.ArgumentParser:
     from .ports import BASE, TOP
 
-    p = argparse.ArgumentParser(prog="python -m ray_job.cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(prog="python -m ray_job.cluster", description=__doc__.split(" (`")[0] + ".",
                                 epilog=f"Every node's ports come from RJ_PORT_BASE to RJ_PORT_MAX ({BASE} to {TOP} "
                                        f"by default).")
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("ports")
-    c.add_argument("--head", action="store_true")
-    sub.add_parser("env")
-    c = sub.add_parser("token")
+    c = sub.add_parser("ports", help="a node's `ray start` port flags, one a line: the ports to open between "
+                                     "cluster.yaml's machines")
+    c.add_argument("--head", action="store_true", help="the head's (with the GCS, dashboard and client ports)")
+    sub.add_parser("env", help="Ray's environment defaults for a job's processes, as `export K=V` lines")
+    c = sub.add_parser("token", help="a fresh auth token in a new file of mode 0600")
     c.add_argument("path")
-    c = sub.add_parser("nodes")
+    c = sub.add_parser("nodes", help='"NAME IP" of each SLURM node, the head first')
     c.add_argument("nodelist")
     c.add_argument("--head-ip", default="")
-    c = sub.add_parser("wait")
+    c = sub.add_parser("wait", help="until the nodes, with their GPUs, are up (else exit 4 and why); progress "
+                                    "lines on stderr")
     c.add_argument("address")
     c.add_argument("--nodes", nargs="+", required=True)
     c.add_argument("--gpus-per-node", type=int, default=0)
     c.add_argument("--timeout", type=float, required=True)
     c.add_argument("--log-dir", required=True)
     c.add_argument("--step", action="append", default=[], help="NODE=PID of its `ray start` step")
-    c = sub.add_parser("head-block")
+    c = sub.add_parser("head-block", help='"BASE GCS_PORT DASHBOARD_PORT" of a free port block for the head')
     c.add_argument("--job-id", type=int, required=True)
-    c = sub.add_parser("exit-action")
+    c = sub.add_parser("exit-action", help='what the driver\'s exit status means to SLURM: "requeue STATUS_IF_'
+                                           'REFUSED WHY" or "exit RC [WHY]"')
     c.add_argument("rc")
     c.add_argument("stop_requested", type=int)
     c.add_argument("--run-name", default="")
-    c = sub.add_parser("node-restart")
+    c = sub.add_parser("node-restart", help='"SECONDS WHY": when to start a lost node\'s Ray again (-1: never; '
+                                            'RJ_NODE_RESTARTS, RJ_NODE_RESTART_S), the end of its log on stderr')
     c.add_argument("node")
     c.add_argument("restarts", type=int)
     c.add_argument("--log-dir", default="")
-    c = sub.add_parser("access")
+    c = sub.add_parser("access", help="the files a client needs (a token copy, cluster.env), one path a line")
     c.add_argument("--log-dir", required=True)
     c.add_argument("--token", required=True)
     c.add_argument("--head-ip", required=True)
     c.add_argument("--dashboard-port", type=int, required=True)
     c.add_argument("--gcs", required=True)
-    c = sub.add_parser("step")
+    c = sub.add_parser("step", help="a SLURM step's Ray node, until SIGTERM (RJ_START_ARGS, RJ_WORKER_START_ARGS: "
+                                    "extra `ray start` flags)")
     c.add_argument("--tmp", required=True)
     c.add_argument("--block", required=True)
     c.add_argument("--job-id", type=int, default=0)
@@ -89,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     role.add_argument("--head", action="store_true")
     role.add_argument("--address", help="the head's GCS HOST:PORT, for a worker node")
     c.add_argument("--dashboard", action="store_true", help="the head's dashboard and job server")
-    c = sub.add_parser("start")
+    c = sub.add_parser("start", help="a cluster.yaml machine's Ray node, detached (after this machine's last one)")
     c.add_argument("--state-dir", required=True)
     c.add_argument("--temp-dir", required=True)
     c.add_argument("--head-ip", default=None, help="join the head at this address (a worker); default: be the head")
