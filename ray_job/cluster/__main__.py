@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     role.add_argument("--head", action="store_true")
     role.add_argument("--address", help="the head's GCS HOST:PORT, for a worker node")
     c.add_argument("--dashboard", action="store_true", help="the head's dashboard and job server")
-    c = sub.add_parser("start", help="a cluster.yaml machine's Ray node, detached (after this machine's last one)")
+    c = sub.add_parser("start", help="a cluster.yaml machine's Ray node, detached (its previous one stopped by PID)")
     c.add_argument("--state-dir", required=True)
     c.add_argument("--temp-dir", required=True)
     c.add_argument("--head-ip", default=None, help="join the head at this address (a worker); default: be the head")
