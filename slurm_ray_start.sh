@@ -15,21 +15,20 @@
 #   sbatch slurm_ray_start.sh tune --space lr=loguniform:0.01:1 [...]   a hyperparameter search
 #   sbatch slurm_ray_start.sh scale sweep --workers 1,2     a scaling sweep
 #   sbatch slurm_ray_start.sh serve                         keep the cluster up for `ray job submit`
-# On a CPU-only cluster override the GPU default:
-#   sbatch --gpus-per-node=0 --cpus-per-task=4 slurm_ray_start.sh --num-workers 2 --epochs 30
+#   sbatch --gpus-per-node=0 --cpus-per-task=4 slurm_ray_start.sh --epochs 30   a CPU-only cluster
 # docs/slurm.md: the flags this adds, preemption and requeue, lost nodes, the RJ_* knobs below.
 #
 # One Ray node per SLURM node. Python decides (ray_job.commands.slurm_plan: the driver's flags;
-# ray_job.cluster: node addresses, ports, Ray's environment, the token, readiness, when a lost
+# ray_job.cluster: node addresses, ports, `ray start` flags, Ray's environment, the token, readiness, when a lost
 # node's Ray starts again, what an exit status means); this script supervises: srun steps, traps,
 # teardown by PID, requeue.
 set -euo pipefail
 
-# The RJ_* knobs and their defaults (docs/slurm.md says what each does; RJ_NODE_RESTARTS and
-# RJ_NODE_RESTART_S are read by ray_job/cluster/slurm.py):
+# The RJ_* knobs the script reads, and their defaults (docs/slurm.md says what each does; the
+# others are read by ray_job: RJ_PORT_* by cluster/ports.py, RJ_NODE_RESTART* by cluster/slurm.py,
+# RJ_START_ARGS and RJ_WORKER_START_ARGS by cluster/node.py):
 : "${RJ_PYTHON:=python}" "${RJ_CLUSTER_TIMEOUT:=300}" "${RJ_PREEMPT_GRACE:=240}" "${RJ_STOP_TIMEOUT:=30}"
-: "${RJ_PORT_BASE:=20000}" "${RJ_PORT_MAX:=32767}" "${RJ_TMP_ROOT:=/tmp}" "${RJ_HEAD_IP:=}" "${RJ_DASHBOARD:=1}"
-: "${RJ_START_ARGS:=}" "${RJ_WORKER_START_ARGS:=}"
+: "${RJ_TMP_ROOT:=/tmp}" "${RJ_HEAD_IP:=}" "${RJ_DASHBOARD:=1}"
 
 JOB_ID="" RESTART_COUNT=0 LOG_DIR="" CPUS_PER_NODE=1 GPUS_PER_NODE=0 MODE=train
 STORAGE_PATH="" RUN_NAME="" WANT_GPU=0  # set by plan_job from ray_job.commands.slurm_plan
@@ -37,7 +36,7 @@ DRIVER_ARGS=()        # `python -m ray_job $MODE` flags (the head: RAY_ADDRESS, 
 NODES=() NODE_IPS=()  # SLURM node names and their addresses; index 0 hosts the head
 NODE_PIDS=()          # PIDs of the `srun ... ray start --block` steps, same order
 NODE_RESTARTS=() NODE_RETRY_AT=()  # restarts of each node's Ray so far; when the next is due (0: none due, -1: never)
-DRIVER_PID="" PREEMPT_REQUESTED=0 PREEMPT_DEADLINE=0
+DRIVER_PID="" WAITER_PID="" PREEMPT_REQUESTED=0 PREEMPT_DEADLINE=0
 JOB_TMP="" TOKEN_FILE="" GCS_ADDRESS="" DASHBOARD_PORT="" ACCESS_FILES=()
 
 log() { printf '%s [slurm_ray_start] %s\n' "$(date '+%Y-%m-%d %H:%M:%S')" "$*" >&2; }
@@ -48,13 +47,11 @@ cluster() { "$RJ_PYTHON" -m ray_job.cluster "$@"; }
 # Every step that fails prints its own `error:` line and exits with its status (core/exits.py).
 plan_job() {
   local -a plan nodes
-  local i rc=0 key text
-  [[ -n ${SLURM_JOB_ID:-} ]] || die 2 "SLURM_JOB_ID is not set. HINT: submit with 'sbatch slurm_ray_start.sh ...'"
+  local i key text
   "$RJ_PYTHON" -c 'import ray_job' 2>/dev/null ||
     die 2 "'$RJ_PYTHON' cannot import ray_job. HINT: set RJ_PYTHON to the interpreter that has ray_job and ray installed"
   mapfile -d '' -t plan < <("$RJ_PYTHON" -m ray_job.commands.slurm_plan "$@")
-  wait $! || rc=$?
-  ((rc == 0)) || exit "$rc"
+  wait $! || exit $?
   ((${#plan[@]} > 0)) || exit 0  # --help: printed, nothing to run
   for ((i = 0; i < ${#plan[@]}; i++)); do
     [[ ${plan[i]} != -- ]] || break
@@ -72,73 +69,61 @@ plan_job() {
 }
 
 make_job_dirs() {
-  JOB_TMP=$RJ_TMP_ROOT/rj$JOB_ID
+  JOB_TMP=$RJ_TMP_ROOT/rj$JOB_ID TOKEN_FILE=$RJ_TMP_ROOT/rj$JOB_ID/token
   (umask 077 && mkdir -p "$JOB_TMP")
   mkdir -p "$LOG_DIR"
-  TOKEN_FILE=$JOB_TMP/token
   unset RAY_AUTH_TOKEN  # it would take precedence over this job's token file
   cluster token "$TOKEN_FILE"
   export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$TOKEN_FILE
 }
 
 # ---- the Ray nodes: one srun step each --------------------------------------------------------
-# $1: node index; $2: its port block (a number, or "probe": the step finds a free one); the rest
-# are `ray start` flags. Output goes to the node's log file.
+# $1: node index; $2: its port block (a number, or "probe": the step finds a free one). The step's
+# `ray start` flags are composed in Python (ray_job/cluster/node.py); its output goes to the node's log.
 start_node() {
-  local i=$1 block=$2; shift 2
-  local node=${NODES[i]} extra gpus=() head=()
+  local i=$1 node=${NODES[$1]} gpus=() role=(--address "$GCS_ADDRESS")
   ((GPUS_PER_NODE == 0)) || gpus=(--gres="gpu:$GPUS_PER_NODE")
-  ((i > 0)) || head=(--head)
-  local -a args=(--node-ip-address="${NODE_IPS[i]}" --node-name="$node"
-    --num-cpus="$CPUS_PER_NODE" --num-gpus="$GPUS_PER_NODE" --disable-usage-stats "$@")
-  read -ra extra <<<"$RJ_START_ARGS"
-  args+=("${extra[@]}")
-  log "starting Ray on $node (${NODE_IPS[i]}): ${args[*]}"
+  ((i > 0)) || role=(--head)
+  ((i > 0 || RJ_DASHBOARD != 1)) || role+=(--dashboard)
+  log "starting Ray on $node (${NODE_IPS[i]}); its output: $LOG_DIR/$node.log"
   # --export=ALL: the step needs this environment (PATH, RJ_*, RAY_*) even under sbatch --export=NONE.
   # A start after a restart gets its own temp dir and ports: not the lost node's (ports.slot).
   RJ_TOKEN=$(<"$TOKEN_FILE") srun --nodes=1 --ntasks=1 --overlap -w "$node" --job-name="ray-$node" \
     --export=ALL "${gpus[@]}" "$RJ_PYTHON" -m ray_job.cluster step --tmp "$JOB_TMP/n$i.${NODE_RESTARTS[i]}" \
-    --block "$block" --job-id "$JOB_ID" --node-index "$i" --restarts "${NODE_RESTARTS[i]}" \
-    --keep-logs "$LOG_DIR/$node.${NODE_RESTARTS[i]}" \
-    --range "$RJ_PORT_BASE" "$RJ_PORT_MAX" "${head[@]}" -- "${args[@]}" \
-    >>"$LOG_DIR/$node.log" 2>&1 &
+    --block "$2" --job-id "$JOB_ID" --node-index "$i" --restarts "${NODE_RESTARTS[i]}" \
+    --keep-logs "$LOG_DIR/$node.${NODE_RESTARTS[i]}" --ip "${NODE_IPS[i]}" --name "$node" \
+    --cpus "$CPUS_PER_NODE" --gpus "$GPUS_PER_NODE" "${role[@]}" >>"$LOG_DIR/$node.log" 2>&1 &
   NODE_PIDS[i]=$!
 }
 
 start_head() {
   local block gcs_port text
-  text=$(cluster head-block --job-id "$JOB_ID" --range "$RJ_PORT_BASE" "$RJ_PORT_MAX") || exit $?
+  text=$(cluster head-block --job-id "$JOB_ID") || exit $?
   read -r block gcs_port DASHBOARD_PORT <<<"$text"
   GCS_ADDRESS=${NODE_IPS[0]}:$gcs_port
   # Ray's own clients that get no address (Train's PlacementGroupCleaner, the state API) would
   # otherwise pick any Ray instance found on the node, e.g. another job's.
   export RAY_ADDRESS=$GCS_ADDRESS
   unset RAY_API_SERVER_ADDRESS
-  local -a dash=(--include-dashboard=false)
-  ((RJ_DASHBOARD != 1)) || dash=(--include-dashboard=true --dashboard-host="${NODE_IPS[0]}")
-  start_node 0 "$block" "${dash[@]}"
-}
-
-start_worker() {
-  local extra
-  read -ra extra <<<"$RJ_WORKER_START_ARGS"
-  start_node "$1" probe --address="$GCS_ADDRESS" "${extra[@]}"
+  start_node 0 "$block"
 }
 
 # Until exactly the nodes given, with their GPUs, are alive (ray_job/cluster/readiness.py decides,
-# and names what is missing); in the background, so that USR1 is handled while it waits.
+# and names what is missing; its lines go to the log). In the background, read through a FIFO, so
+# that USR1 is handled (and ends the wait) while it runs.
 wait_for_nodes() {
-  local i rc=0
+  local i line rc=0 fifo=$JOB_TMP/wait
   local -a steps=()
   for i in "${!NODE_PIDS[@]}"; do steps+=(--step "${NODES[i]}=${NODE_PIDS[i]}"); done
-  cluster wait "$GCS_ADDRESS" --nodes "$@" --gpus-per-node "$GPUS_PER_NODE" --timeout $((CLUSTER_DEADLINE - SECONDS)) \
-    --log-dir "$LOG_DIR" "${steps[@]}" &
-  local waiter=$!
-  while :; do
-    wait "$waiter" && return 0 || rc=$?
-    if ((PREEMPT_REQUESTED)); then kill "$waiter" 2>/dev/null || true; wait "$waiter" 2>/dev/null || true; return 0; fi
-    kill -0 "$waiter" 2>/dev/null || exit "$rc"  # not a trap that woke us: the wait failed
-  done
+  mkfifo "$fifo"
+  "$RJ_PYTHON" -m ray_job.cluster wait "$GCS_ADDRESS" --nodes "$@" --gpus-per-node "$GPUS_PER_NODE" \
+    --timeout $((CLUSTER_DEADLINE - SECONDS)) --log-dir "$LOG_DIR" "${steps[@]}" >"$fifo" 2>&1 &
+  WAITER_PID=$!
+  while IFS= read -r line; do log "$line"; done <"$fifo"
+  rm -f "$fifo"
+  wait "$WAITER_PID" || rc=$?
+  WAITER_PID=""
+  ((rc == 0 || PREEMPT_REQUESTED)) || exit "$rc"
 }
 
 # Head first, then the other nodes: starting them all at once made worker raylets miss Ray's
@@ -149,7 +134,7 @@ start_cluster() {
   start_head
   wait_for_nodes "${NODES[0]}"
   ((PREEMPT_REQUESTED)) && return 0
-  for ((i = 1; i < ${#NODES[@]}; i++)); do start_worker "$i"; done
+  for ((i = 1; i < ${#NODES[@]}; i++)); do start_node "$i" probe; done
   wait_for_nodes "${NODES[@]}"
 }
 
@@ -162,16 +147,14 @@ supervise_nodes() {
     kill -0 "${NODE_PIDS[i]}" 2>/dev/null && continue
     if ((NODE_RETRY_AT[i] == 0)); then
       wait "${NODE_PIDS[i]}" 2>/dev/null || true
-      log "Ray on ${NODES[i]} ended while the job runs; last lines of $LOG_DIR/${NODES[i]}.log:"
-      tail -n 15 "$LOG_DIR/${NODES[i]}.log" >&2 || true
-      read -r delay why < <(cluster node-restart "${NODES[i]}" "${NODE_RESTARTS[i]}")
-      log "$why"
+      read -r delay why < <(cluster node-restart "${NODES[i]}" "${NODE_RESTARTS[i]}" --log-dir "$LOG_DIR")
+      log "Ray on ${NODES[i]} ended while the job runs; $why"
       NODE_RETRY_AT[i]=$((delay < 0 ? -1 : SECONDS + delay))
     fi
     if ((NODE_RETRY_AT[i] > 0 && SECONDS >= NODE_RETRY_AT[i])); then
       NODE_RESTARTS[i]=$((NODE_RESTARTS[i] + 1)) NODE_RETRY_AT[i]=0
       log "starting Ray on ${NODES[i]} again"
-      start_worker "$i"
+      start_node "$i" probe
     fi
   done
 }
@@ -193,6 +176,7 @@ on_usr1() {
   PREEMPT_REQUESTED=1 PREEMPT_DEADLINE=$((SECONDS + RJ_PREEMPT_GRACE))
   log "USR1: preemption or time limit; asking the driver to checkpoint and stop"
   [[ -z $DRIVER_PID ]] || kill -USR1 "$DRIVER_PID" 2>/dev/null || true  # the driver asks its workers
+  [[ -z $WAITER_PID ]] || kill "$WAITER_PID" 2>/dev/null || true  # no cluster to wait for
 }
 
 run_driver() {
@@ -239,11 +223,9 @@ act_on_exit() {
 
 # ---- teardown ---------------------------------------------------------------------------------
 wait_or_kill() {  # up to RJ_STOP_TIMEOUT s for the PIDs given to exit, then SIGKILL the rest
-  local pid deadline=$((SECONDS + RJ_STOP_TIMEOUT)) alive
+  local deadline=$((SECONDS + RJ_STOP_TIMEOUT))
   while ((SECONDS < deadline)); do
-    alive=0
-    for pid in "$@"; do if kill -0 "$pid" 2>/dev/null; then alive=1; fi; done
-    ((alive)) || return 0
+    kill -0 "$@" 2>/dev/null || return 0  # none of them is alive
     sleep 0.5
   done
   log "still running after ${RJ_STOP_TIMEOUT}s, killing: $*"
@@ -251,7 +233,6 @@ wait_or_kill() {  # up to RJ_STOP_TIMEOUT s for the PIDs given to exit, then SIG
 }
 
 stop_pids() {
-  (($# > 0)) || return 0
   kill -TERM "$@" 2>/dev/null || true
   wait_or_kill "$@"
 }
@@ -275,9 +256,8 @@ stop_nodes() {
 stop_everything() {
   [[ -z $DRIVER_PID ]] || stop_pids "$DRIVER_PID"
   DRIVER_PID=""
-  local -a workers  # workers before the head, so they do not spend their shutdown reconnecting
-  mapfile -t workers < <(seq 1 $((${#NODES[@]} - 1)))
-  stop_nodes "${workers[@]}"
+  local -a nodes=("${!NODES[@]}")  # workers before the head, so they do not spend their shutdown reconnecting
+  stop_nodes "${nodes[@]:1}"
   stop_nodes 0
   NODE_PIDS=()
   ((${#ACCESS_FILES[@]} == 0)) || rm -f "${ACCESS_FILES[@]}"

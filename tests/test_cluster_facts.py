@@ -5,6 +5,7 @@ private Ray APIs behind one door. No cluster needed."""
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -12,8 +13,9 @@ import sys
 import pytest
 
 from conftest import ROOT
-from ray_job.cluster import ports, rayenv, raypriv, readiness, slurm
+from ray_job.cluster import node, ports, rayenv, raypriv, readiness, slurm
 from ray_job.cluster.ports import free_port
+from ray_job.core.errors import UsageError
 from ray_job.core.exits import ExitCode, slurm_action
 
 # Port ranges for the block searches: below Linux's ephemeral range (32768-60999), where every
@@ -42,19 +44,50 @@ def test_the_port_layout_of_a_head_and_a_worker():
         ports.ray_start_flags(20000, True, size=10)
 
 
-def test_the_ports_command_prints_the_same_flags():
-    out = cluster_cli("ports", "--base", "30000", "--head")
+def test_the_ports_command_prints_the_flags_of_the_block_at_rj_port_base():
+    out = cluster_cli("ports", "--head", env={"RJ_PORT_BASE": "30000"})
     assert out.returncode == 0 and out.stdout.split() == ports.ray_start_flags(30000, True)
+    assert cluster_cli("ports").stdout.split() == ports.ray_start_flags(ports.BASE, False)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, (20000, 32767)), ({"RJ_PORT_BASE": "25000"}, (25000, 32767)),
+    ({"RJ_PORT_BASE": "40000", "RJ_PORT_MAX": "49999"}, (40000, 49999)),
+])
+def test_the_port_range_is_rj_port_base_to_rj_port_max(env, expected):
+    assert ports.port_range(env) == expected
+
+
+@pytest.mark.parametrize("env", [{"RJ_PORT_BASE": "2e4"}, {"RJ_PORT_BASE": "32700"},
+                                 {"RJ_PORT_MAX": "70000"}, {"RJ_PORT_BASE": "80"}])
+def test_a_port_range_without_room_for_a_block_is_refused_with_one_line(env):
+    with pytest.raises(UsageError, match="RJ_PORT_BASE=.* e.g. RJ_PORT_BASE=20000"):
+        ports.port_range(env)
+    out = cluster_cli("head-block", "--job-id", "3", env=env)
+    assert out.returncode == ExitCode.BAD_INPUT and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("error: RJ_PORT_BASE=")
+
+
+def test_a_jobs_port_is_in_the_range_and_the_same_for_every_task():
+    assert ports.job_port({}, 1234) == 21234 == ports.job_port({}, 1234)
+    assert ports.job_port({}, 12768) == 20000  # wraps round inside the range
+    assert ports.job_port({"RJ_PORT_BASE": "40000", "RJ_PORT_MAX": "40999"}, 1234) == 40234
 
 
 def test_head_block_is_free_and_its_ports_follow_the_layout():
     lo = QUIET_LO
-    out = cluster_cli("head-block", "--job-id", "12", "--range", str(lo), str(lo + 999))
+    out = cluster_cli("head-block", "--job-id", "12", env={"RJ_PORT_BASE": str(lo), "RJ_PORT_MAX": str(lo + 999)})
     base, gcs, dash = map(int, out.stdout.split())
     assert lo <= base <= lo + 800 and (gcs, dash) == (base, base + 1)
-    assert all(ports.is_free(p) for p in range(base, base + 200))
-    full = cluster_cli("head-block", "--job-id", "1", "--range", str(lo), str(lo + 50))
-    assert full.returncode == ExitCode.CLUSTER_DOWN and full.stderr.startswith("error: ")
+    assert all(ports.is_free(p) for p in range(base, base + ports.BLOCK))
+    held = [socket.create_server(("", p)) for p in range(lo, lo + 2 * ports.BLOCK, ports.BLOCK)]
+    try:  # a port held in each block of the range
+        full = cluster_cli("head-block", "--job-id", "1",
+                           env={"RJ_PORT_BASE": str(lo), "RJ_PORT_MAX": str(lo + 2 * ports.BLOCK - 1)})
+    finally:
+        for s in held:
+            s.close()
+    assert full.returncode == ExitCode.CLUSTER_DOWN and full.stderr.startswith("error: no free ports")
 
 
 def test_a_node_started_again_looks_for_ports_past_its_old_block():
@@ -135,9 +168,28 @@ def test_exit_action_command():
     assert cluster_cli("exit-action", "0", "0").stdout.split() == ["exit", "0"]
 
 
-def test_node_restart_command():
+def test_node_restart_command(tmp_path):
     out = cluster_cli("node-restart", "n2", "1", env={"RJ_NODE_RESTART_S": "5", "RJ_NODE_RESTARTS": "2"})
-    assert out.stdout == "10 starting Ray on n2 again in 10 s (restart 2 of 2)\n"
+    assert out.stdout == "10 starting Ray on n2 again in 10 s (restart 2 of 2)\n" and out.stderr == ""
+    (tmp_path / "n2.log").write_text("".join(f"line {i}\n" for i in range(40)))
+    out = cluster_cli("node-restart", "n2", "3", "--log-dir", str(tmp_path))
+    assert out.stdout.startswith("-1 not starting Ray on n2 again")
+    assert f"last lines of {tmp_path}/n2.log" in out.stderr and "line 39\n" in out.stderr
+    assert "line 24\n" not in out.stderr  # its end only
+
+
+def test_a_slurm_steps_ray_start_flags():
+    env = {"RJ_START_ARGS": "--object-store-memory=300000000 --labels='a b'", "RJ_WORKER_START_ARGS": "--address=x:1"}
+    head = node.step_flags("10.0.0.1", "n1", 8, 2, None, True, env)
+    assert head[:5] == ["--node-ip-address=10.0.0.1", "--node-name=n1", "--num-cpus=8", "--num-gpus=2",
+                        "--disable-usage-stats"]
+    assert head[5:] == ["--include-dashboard=true", "--dashboard-host=10.0.0.1",  # the head's address only
+                        "--object-store-memory=300000000", "--labels=a b"]
+    assert node.step_flags("10.0.0.1", "n1", 8, 0, None, False, {})[5:] == ["--include-dashboard=false"]
+    worker = node.step_flags("10.0.0.2", "n2", 8, 0, "10.0.0.1:20000", False, env)
+    # the user's flags last, so that they win (a worker's own --address too)
+    assert worker[5:] == ["--address=10.0.0.1:20000", "--address=x:1", "--object-store-memory=300000000",
+                          "--labels=a b"]
 
 
 def test_node_addresses_refuse_a_mix_of_loopback_and_routable(monkeypatch):
@@ -186,8 +238,8 @@ def test_wait_counts_the_gpus_of_every_node_it_waits_for(tmp_path):
 
 
 def test_cluster_status_is_down_when_nothing_listens():
-    assert readiness.cluster_status(f"127.0.0.1:{free_port()}").line() == "down"
-    assert readiness.cluster_status("not-an-address").line() == "down"
+    assert not readiness.cluster_status(f"127.0.0.1:{free_port()}").up
+    assert not readiness.cluster_status("not-an-address").up
 
 
 @pytest.mark.parametrize("key", sorted(raypriv.SYMBOLS))

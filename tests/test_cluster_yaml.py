@@ -7,7 +7,6 @@ import copy
 import getpass
 import hashlib
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -69,8 +68,8 @@ def test_commands_are_valid_bash():
 # The config is brought up as written, except what must differ on one shared machine: the
 # addresses (head 127.0.0.1 through a loopback sshd on a free port, no workers), the folders
 # (a temp dir instead of ~/ray_job, ~/.ray_job, ~/ray_job_venv -> this venv, /tmp/ray_job) and
-# the port block (free ports instead of 20000-20199). Teardown is by PID: `ray down` would run
-# `ray stop`, which kills every Ray process on the machine, other sessions' clusters included.
+# the port block (free ports, through RJ_PORT_BASE, instead of the default block). Teardown is by
+# PID: `ray down` would run `ray stop`, which kills every Ray process on the machine, other sessions' clusters included.
 
 
 def _sshd_missing() -> str | None:
@@ -156,10 +155,11 @@ def _loopback_config(sshd: dict, name: str, base: int) -> dict:
     def local(cmd: str) -> str:
         for old, new in renames:
             cmd = cmd.replace(old, new)
-        return re.sub(r"\b20([01]\d\d)\b", lambda m: str(base + int(m[1])), cmd)
+        return cmd
 
-    for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands"):
-        cfg[key] = [local(c) for c in cfg[key]]
+    cfg["setup_commands"] = [local(c) for c in cfg["setup_commands"]]
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        cfg[key] = [f"export RJ_PORT_BASE={base} RJ_PORT_MAX=65535 && {local(c)}" for c in cfg[key]]
     with open(f"{tmp}/local_token", "w") as f:
         f.write(secrets.token_hex(32))
     os.chmod(f"{tmp}/local_token", 0o600)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from slurm_jobs import SCRIPT, TINY, Job, assert_two_node_run
 
 
@@ -36,9 +37,11 @@ def test_shellcheck_clean():
 
 def test_outside_slurm_it_says_how_to_submit(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(RJ_PYTHON=sys.executable, PYTHONPATH=str(ROOT))  # as with the project's venv active
     out = subprocess.run(["bash", str(SCRIPT), "--epochs", "1"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "HINT: submit with 'sbatch slurm_ray_start.sh" in out.stderr
+    assert out.stderr.startswith("error: SLURM_JOB_ID is not set") and out.stderr.count("\n") == 1
     assert list(tmp_path.iterdir()) == []  # nothing created
 
 
@@ -144,10 +147,11 @@ def test_two_jobs_on_the_nodes_one_preempted_and_resumed_one_cancelled(slurm_clu
 
 @pytest.mark.timeout(300)
 def test_node_that_never_joins_fails_the_job_naming_it(slurm_cluster, tmp_path):
-    # node2's `ray start` points at a port where no GCS listens, so it never joins.
+    # node2's `ray start` points at a port where no GCS listens, so it never joins. The deadline
+    # leaves the head room to come up on a slow machine (a head's start took over 60 s on a loaded one).
     wrong = f"--address={slurm_cluster.node_addr('node1')}:1"
     job = Job(slurm_cluster, tmp_path, ["train", *TINY, "--epochs", "1"],
-              env={"RJ_CLUSTER_TIMEOUT": "25", "RJ_WORKER_START_ARGS": wrong})
+              env={"RJ_CLUSTER_TIMEOUT": "120", "RJ_WORKER_START_ARGS": wrong})
     info = job.wait_done(timeout=240)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "4:0", job.tail()
     assert "missing Ray node(s): node2" in job.output, job.tail()
@@ -155,7 +159,7 @@ def test_node_that_never_joins_fails_the_job_naming_it(slurm_cluster, tmp_path):
     assert "driver:" not in job.output  # training never started
     job.assert_cleaned_up()
     print(f"\nnode that never joins: job failed {job.ended - job.submitted:.1f} s after sbatch "
-          f"(RJ_CLUSTER_TIMEOUT=25)")
+          f"(RJ_CLUSTER_TIMEOUT=120)")
 
 
 @pytest.mark.timeout(400)

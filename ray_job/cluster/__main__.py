@@ -1,27 +1,5 @@
 """`python -m ray_job.cluster COMMAND`: the cluster facts for bash (slurm_ray_start.sh) and YAML
-(cluster.yaml), so that neither restates them.
-
-    ports --base B [--head] [--size N]         `ray start` port flags of a node's block, one a line
-    env                                         Ray's environment defaults, as `export K=V` lines
-    token PATH                                  a fresh auth token in a new 0600 file
-    nodes NODELIST [--head-ip IP]               "NAME IP" per SLURM node, the head first
-    status HOST:PORT                            "<GPUs> <alive nodes...>", or "down"
-    wait HOST:PORT --nodes N.. --gpus-per-node G --timeout S --log-dir D [--step NODE=PID ...]
-                                                until those nodes, with G GPUs each, are up (exit 4 and
-                                                why, if not)
-    head-block --job-id J --range LO HI          "BASE GCS_PORT DASHBOARD_PORT" of a free block for the head
-    exit-action RC|none STOP_REQUESTED [--run-name R]
-                                                "requeue STATUS_IF_REFUSED WHY" or "exit RC [WHY]" (core/exits.py)
-    node-restart NODE RESTARTS                  "SECONDS WHY": when to start NODE's Ray again after RESTARTS
-                                                restarts (-1: never); RJ_NODE_RESTARTS, RJ_NODE_RESTART_S (slurm.py)
-    access --log-dir D --token T --head-ip IP --dashboard-port P --gcs HOST:PORT
-                                                the clients' files (a token copy, cluster.env), one path a line
-    step --tmp D --block B|probe --job-id J --node-index I [--restarts N] [--keep-logs D] --range LO HI [--head]
-         -- RAY_START_ARGS...
-                                                a SLURM step's Ray node (node.py)
-    start --state-dir D --temp-dir T --base B [--head-ip IP] [-- RAY_START_ARGS...]
-                                                a cluster.yaml node, detached (node.py)
-"""
+(cluster.yaml), so that neither restates them (`--help` lists the commands, `COMMAND --help` their flags)."""
 
 from __future__ import annotations
 
@@ -29,63 +7,71 @@ import argparse
 import os
 import sys
 
+from ..core.errors import UsageError
 from ..core.exits import ExitCode, slurm_action
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ray_job.cluster", description=__doc__.split("\n\n")[0])
+    from .ports import BASE, TOP
+
+    p = argparse.ArgumentParser(prog="python -m ray_job.cluster", description=__doc__.split(" (`")[0] + ".",
+                                epilog=f"Every node's ports come from RJ_PORT_BASE to RJ_PORT_MAX ({BASE} to {TOP} "
+                                       f"by default).")
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("ports")
-    c.add_argument("--base", type=int, required=True)
-    c.add_argument("--head", action="store_true")
-    c.add_argument("--size", type=int, default=200)
-    sub.add_parser("env")
-    c = sub.add_parser("token")
+    c = sub.add_parser("ports", help="a node's `ray start` port flags, one a line: the ports to open between "
+                                     "cluster.yaml's machines")
+    c.add_argument("--head", action="store_true", help="the head's (with the GCS, dashboard and client ports)")
+    sub.add_parser("env", help="Ray's environment defaults for a job's processes, as `export K=V` lines")
+    c = sub.add_parser("token", help="a fresh auth token in a new file of mode 0600")
     c.add_argument("path")
-    c = sub.add_parser("nodes")
+    c = sub.add_parser("nodes", help='"NAME IP" of each SLURM node, the head first')
     c.add_argument("nodelist")
     c.add_argument("--head-ip", default="")
-    c = sub.add_parser("status")
-    c.add_argument("address")
-    c = sub.add_parser("wait")
+    c = sub.add_parser("wait", help="until the nodes, with their GPUs, are up (else exit 4 and why); progress "
+                                    "lines on stderr")
     c.add_argument("address")
     c.add_argument("--nodes", nargs="+", required=True)
     c.add_argument("--gpus-per-node", type=int, default=0)
     c.add_argument("--timeout", type=float, required=True)
     c.add_argument("--log-dir", required=True)
     c.add_argument("--step", action="append", default=[], help="NODE=PID of its `ray start` step")
-    c = sub.add_parser("head-block")
+    c = sub.add_parser("head-block", help='"BASE GCS_PORT DASHBOARD_PORT" of a free port block for the head')
     c.add_argument("--job-id", type=int, required=True)
-    c.add_argument("--range", type=int, nargs=2, required=True)
-    c.add_argument("--size", type=int, default=200)
-    c = sub.add_parser("exit-action")
+    c = sub.add_parser("exit-action", help='what the driver\'s exit status means to SLURM: "requeue STATUS_IF_'
+                                           'REFUSED WHY" or "exit RC [WHY]"')
     c.add_argument("rc")
     c.add_argument("stop_requested", type=int)
     c.add_argument("--run-name", default="")
-    c = sub.add_parser("node-restart")
+    c = sub.add_parser("node-restart", help='"SECONDS WHY": when to start a lost node\'s Ray again (-1: never; '
+                                            'RJ_NODE_RESTARTS, RJ_NODE_RESTART_S), the end of its log on stderr')
     c.add_argument("node")
     c.add_argument("restarts", type=int)
-    c = sub.add_parser("access")
+    c.add_argument("--log-dir", default="")
+    c = sub.add_parser("access", help="the files a client needs (a token copy, cluster.env), one path a line")
     c.add_argument("--log-dir", required=True)
     c.add_argument("--token", required=True)
     c.add_argument("--head-ip", required=True)
     c.add_argument("--dashboard-port", type=int, required=True)
     c.add_argument("--gcs", required=True)
-    c = sub.add_parser("step")
+    c = sub.add_parser("step", help="a SLURM step's Ray node, until SIGTERM (RJ_START_ARGS, RJ_WORKER_START_ARGS: "
+                                    "extra `ray start` flags)")
     c.add_argument("--tmp", required=True)
     c.add_argument("--block", required=True)
     c.add_argument("--job-id", type=int, default=0)
     c.add_argument("--node-index", type=int, default=0)
     c.add_argument("--restarts", type=int, default=0, help="how often this node's Ray was started again")
     c.add_argument("--keep-logs", default="", help="where a copy of Ray's logs goes if the node ends by itself")
-    c.add_argument("--range", type=int, nargs=2, required=True)
-    c.add_argument("--size", type=int, default=200)
-    c.add_argument("--head", action="store_true")
-    c.add_argument("args", nargs=argparse.REMAINDER)
-    c = sub.add_parser("start")
+    c.add_argument("--ip", required=True)
+    c.add_argument("--name", required=True)
+    c.add_argument("--cpus", type=int, required=True)
+    c.add_argument("--gpus", type=int, default=0)
+    role = c.add_mutually_exclusive_group(required=True)
+    role.add_argument("--head", action="store_true")
+    role.add_argument("--address", help="the head's GCS HOST:PORT, for a worker node")
+    c.add_argument("--dashboard", action="store_true", help="the head's dashboard and job server")
+    c = sub.add_parser("start", help="a cluster.yaml machine's Ray node, detached (its previous one stopped by PID)")
     c.add_argument("--state-dir", required=True)
     c.add_argument("--temp-dir", required=True)
-    c.add_argument("--base", type=int, required=True)
     c.add_argument("--head-ip", default=None, help="join the head at this address (a worker); default: be the head")
     c.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -97,10 +83,18 @@ def _rest(args: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
-    if ns.command == "ports":
-        from .ports import ray_start_flags
+    try:
+        return _run(ns)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
 
-        print("\n".join(ray_start_flags(ns.base, ns.head, ns.size)))
+
+def _run(ns: argparse.Namespace) -> int:
+    if ns.command == "ports":
+        from .ports import port_range, ray_start_flags
+
+        print("\n".join(ray_start_flags(port_range(os.environ)[0], ns.head)))
     elif ns.command == "env":
         import shlex
 
@@ -120,18 +114,14 @@ def main(argv: list[str]) -> int:
         except NodeError as e:
             print(f"error: {e}", file=sys.stderr)
             return ExitCode.CLUSTER_DOWN
-    elif ns.command == "status":
-        from .readiness import cluster_status
-
-        print(cluster_status(ns.address).line())
     elif ns.command == "wait":
         return _wait(ns)
     elif ns.command == "head-block":
-        from .ports import dashboard_port, free_block, gcs_port, slot
+        from .ports import BLOCK, dashboard_port, free_block, gcs_port, port_range, slot
 
         try:
-            base = free_block(ns.size, *ns.range, slot=slot(ns.job_id, 0))
-        except (ValueError, RuntimeError) as e:
+            base = free_block(BLOCK, *port_range(os.environ), slot=slot(ns.job_id, 0))
+        except RuntimeError as e:
             print(f"error: no free ports for the head: {e}; change RJ_PORT_BASE / RJ_PORT_MAX", file=sys.stderr)
             return ExitCode.CLUSTER_DOWN
         print(base, gcs_port(base), dashboard_port(base))
@@ -140,29 +130,31 @@ def main(argv: list[str]) -> int:
                                        ns.run_name)
         print(action, rc, why)
     elif ns.command == "node-restart":
+        from .readiness import log_tail
         from .slurm import NodeRestarts
 
+        if ns.log_dir:
+            print(log_tail(ns.log_dir, ns.node), end="", file=sys.stderr)
         print(*NodeRestarts.from_env(os.environ).next(ns.node, ns.restarts))
     elif ns.command == "access":
         from .rayenv import write_access_files
 
         print("\n".join(write_access_files(ns.log_dir, ns.token, ns.head_ip, ns.dashboard_port, ns.gcs)))
     elif ns.command == "step":
-        from .node import run_step
+        from .node import run_step, step_flags
         from .ports import slot
 
-        return run_step(ns.tmp, ns.block, ns.head, _rest(ns.args), tuple(ns.range), ns.size,
-                        slot=slot(ns.job_id, ns.node_index, ns.restarts), keep_logs=ns.keep_logs)
+        flags = step_flags(ns.ip, ns.name, ns.cpus, ns.gpus, ns.address, ns.dashboard, os.environ)
+        return run_step(ns.tmp, ns.block, ns.head, flags, slot=slot(ns.job_id, ns.node_index, ns.restarts),
+                        keep_logs=ns.keep_logs)
     elif ns.command == "start":
         from .node import start_detached
 
-        return start_detached(ns.state_dir, ns.temp_dir, ns.base, ns.head_ip, _rest(ns.args))
+        return start_detached(ns.state_dir, ns.temp_dir, ns.head_ip, _rest(ns.args))
     return 0
 
 
 def _wait(ns: argparse.Namespace) -> int:
-    import time
-
     from .readiness import NotReady, wait_for_nodes
 
     steps = {}
@@ -170,15 +162,14 @@ def _wait(ns: argparse.Namespace) -> int:
         node, _, pid = item.rpartition("=")
         steps[node] = int(pid)
 
-    def say(line: str) -> None:
-        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [slurm_ray_start] {line}", file=sys.stderr, flush=True)
+    def say(line: str) -> None:  # a line for the job log: the script stamps and writes it
+        print(line, file=sys.stderr, flush=True)
 
     try:
         wait_for_nodes(ns.address, ns.nodes, ns.gpus_per_node * len(ns.nodes), ns.timeout, steps, ns.log_dir, say)
     except NotReady as e:
         first, _, tails = str(e).partition("\n")
-        print(tails, end="", file=sys.stderr)
-        say(f"ERROR: {first}")
+        say(f"{tails}ERROR: {first}")
         return ExitCode.CLUSTER_DOWN
     return 0
 

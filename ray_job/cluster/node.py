@@ -12,11 +12,13 @@ Two ways to run it:
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import Optional
 
 from . import ports, rayenv
@@ -28,8 +30,21 @@ def ray_cli() -> str:
     return os.path.join(os.path.dirname(sys.executable), "ray")
 
 
-def run_step(tmp: str, block: str, head: bool, args: list[str], port_range: tuple[int, int],
-             block_size: int, slot: int = 0, keep_logs: str = "") -> int:
+def step_flags(ip: str, name: str, cpus: int, gpus: int, head_address: Optional[str], dashboard: bool,
+               env: Mapping[str, str]) -> list[str]:
+    """A SLURM step's `ray start` flags beside its ports: its address, name and resources; on the
+    head the dashboard (on the head's address only) or none, on the others the head's address and
+    RJ_WORKER_START_ARGS; then RJ_START_ARGS (every node), last so that the user's flags win."""
+    flags = [f"--node-ip-address={ip}", f"--node-name={name}", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
+             "--disable-usage-stats"]
+    if head_address:
+        flags += [f"--address={head_address}", *shlex.split(env.get("RJ_WORKER_START_ARGS", ""))]
+    else:
+        flags += ["--include-dashboard=true", f"--dashboard-host={ip}"] if dashboard else ["--include-dashboard=false"]
+    return flags + shlex.split(env.get("RJ_START_ARGS", ""))
+
+
+def run_step(tmp: str, block: str, head: bool, args: list[str], slot: int = 0, keep_logs: str = "") -> int:
     """Runs a SLURM step's Ray node until it ends or is sent SIGTERM/SIGINT; its exit status. A
     node that ends by itself leaves a copy of its Ray logs in `keep_logs` (if given)."""
     os.umask(0o077)
@@ -37,10 +52,11 @@ def run_step(tmp: str, block: str, head: bool, args: list[str], port_range: tupl
     token = os.path.join(tmp, "token")
     with open(token, "w") as f:
         f.write(os.environ.pop("RJ_TOKEN", ""))
-    base = ports.free_block(block_size, *port_range, slot=slot) if block == "probe" else int(block)
+    base = ports.free_block(ports.BLOCK, *ports.port_range(os.environ), slot=slot) if block == "probe" else int(block)
     env = {**os.environ, **rayenv.defaults(os.environ), **rayenv.auth_env(token)}
     cmd = [ray_cli(), "start", "--block", *(["--head"] if head else []), f"--temp-dir={tmp}",
-           *ports.ray_start_flags(base, head, block_size), *args]
+           *ports.ray_start_flags(base, head), *args]
+    print(" ".join(cmd), flush=True)  # to the node's log
     proc = subprocess.Popen(cmd, env=env)
     stopping: list[int] = []
 
@@ -109,11 +125,13 @@ def machine_resources() -> list[str]:
     return [f"--num-cpus={len(os.sched_getaffinity(0))}", f"--num-gpus={gpus}"]
 
 
-def start_detached(state_dir: str, temp_dir: str, base: int, head_ip: Optional[str],
-                   extra: list[str], wait_s: float = 120) -> int:
-    """cluster.yaml's start command (see the module); 0 once the node runs."""
+def start_detached(state_dir: str, temp_dir: str, head_ip: Optional[str], extra: list[str],
+                   wait_s: float = 120) -> int:
+    """cluster.yaml's start command (see the module); 0 once the node runs. Every machine's block
+    starts at RJ_PORT_BASE."""
     import ray.util
 
+    base = ports.port_range(os.environ)[0]
     state_dir = os.path.expanduser(state_dir)
     pid_file, log_file = os.path.join(state_dir, "ray.pid"), os.path.join(state_dir, "ray.log")
     stop_previous(pid_file)

@@ -6,12 +6,17 @@ Layout of a block starting at B: B+0 the GCS (head), B+1 the dashboard / job ser
 the Ray client server (head), B+3 node manager, B+4 object manager, B+5 / B+6 the dashboard
 agent's HTTP / gRPC, B+7 the runtime-env agent, B+8 metrics export, and B+10 to the block's last
 port the worker processes (so the client port stays clear of the worker range).
+
+The blocks are taken from RJ_PORT_BASE to RJ_PORT_MAX (`port_range`), 20000 to 32767 by default:
+below Linux's ephemeral range, where outgoing connections take their ports.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+
+from ..core.errors import UsageError
 
 SERVICE_OFFSETS = {
     "port": 0, "dashboard-port": 1, "ray-client-server-port": 2,          # the head only
@@ -20,8 +25,25 @@ SERVICE_OFFSETS = {
 }
 HEAD_ONLY = ("port", "dashboard-port", "ray-client-server-port")
 FIRST_WORKER_OFFSET = 10
-BLOCK = 200        # ports per node by default: the services + 190 worker processes
+BLOCK = 200        # ports per node: the services + 190 worker processes
 MIN_BLOCK = 20
+BASE, TOP = 20000, 32767  # the default range of every block (RJ_PORT_BASE, RJ_PORT_MAX)
+
+
+def port_range(env: Mapping[str, str]) -> tuple[int, int]:
+    """The ports a cluster's blocks come from: RJ_PORT_BASE to RJ_PORT_MAX, else BASE to TOP."""
+    lo, hi = env.get("RJ_PORT_BASE") or str(BASE), env.get("RJ_PORT_MAX") or str(TOP)
+    if not (lo.isdigit() and hi.isdigit() and 1024 <= int(lo) and int(lo) + BLOCK - 1 <= int(hi) <= 65535):
+        raise UsageError(f"RJ_PORT_BASE={lo} RJ_PORT_MAX={hi} is not a range of at least {BLOCK} ports "
+                         f"between 1024 and 65535: give whole numbers, e.g. RJ_PORT_BASE={BASE} RJ_PORT_MAX={TOP}")
+    return int(lo), int(hi)
+
+
+def job_port(env: Mapping[str, str], job_id: int) -> int:
+    """One port of the range, the same for every task of a job (the raw-DDP baseline's MASTER_PORT
+    under srun); concurrent jobs get different ones."""
+    lo, hi = port_range(env)
+    return lo + job_id % (hi - lo + 1)
 
 
 def ray_start_flags(base: int, head: bool, size: int = BLOCK) -> list[str]:

@@ -27,8 +27,6 @@ DEFAULTS = {
 # CPU; `bench vs-ddp` counts them). A top pad of one heap (64 MiB) keeps them; setting it turns off
 # glibc's dynamic mmap threshold, so that is fixed at its dynamic ceiling (32 MiB).
 WORKER_MALLOC = {"MALLOC_TOP_PAD_": str(64 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
-# Variables that would point a client at another cluster or another token.
-FOREIGN = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 def defaults(env: Mapping[str, str]) -> dict[str, str]:

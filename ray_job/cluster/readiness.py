@@ -25,9 +25,6 @@ class Status:
     gpus: int
     alive: tuple[str, ...]   # node names, sorted
 
-    def line(self) -> str:
-        return "down" if not self.up else " ".join([str(self.gpus), *self.alive])
-
 
 def cluster_status(address: str, timeout_s: float = 5.0) -> Status:
     """The alive nodes of the cluster whose GCS is at HOST:PORT (a TCP probe first, so that no

@@ -44,11 +44,9 @@ class Allocation:
     restart_count: int
     cpus_per_node: int
     gpus_per_node: int
-    nodelist: str
     storage_path: str  # default --storage-path: on the shared file system, beside the submit dir
     run_name: str      # default --name: from the job id, so a requeued job resumes the same run
     log_dir: str       # each node's `ray start` output, the token copy and cluster.env
-    node_restarts: NodeRestarts
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Allocation:
@@ -56,17 +54,16 @@ class Allocation:
         if not job_id:
             raise UsageError("SLURM_JOB_ID is not set. HINT: submit with 'sbatch slurm_ray_start.sh ...'")
         submit_dir = env.get("SLURM_SUBMIT_DIR") or os.getcwd()
+        NodeRestarts.from_env(env)  # read now, so that a bad RJ_NODE_RESTARTS fails before any node starts
         return cls(
             job_id=job_id,
             submit_dir=submit_dir,
             restart_count=_count(env, "SLURM_RESTART_COUNT", "0"),
             cpus_per_node=_count(env, "SLURM_CPUS_PER_TASK", env.get("SLURM_CPUS_ON_NODE") or "1"),
             gpus_per_node=gpus_per_node(env),
-            nodelist=env.get("SLURM_JOB_NODELIST", ""),
             storage_path=env.get("RJ_STORAGE_PATH") or os.path.join(submit_dir, "ray_results"),
             run_name=env.get("RJ_RUN_NAME") or f"slurm-{job_id}",
             log_dir=env.get("RJ_LOG_DIR") or os.path.join(submit_dir, "ray-logs", job_id),
-            node_restarts=NodeRestarts.from_env(env),
         )
 
 

@@ -43,11 +43,9 @@ class DriverPlan:
 
 def split_mode(argv: Sequence[str]) -> tuple[str, list[str]]:
     """The script's first argument is the mode (train when it is a flag or absent)."""
-    if not argv or (argv[0].startswith("-") and argv[0] != "--keep-alive"):
+    if not argv or argv[0].startswith("-"):
         return "train", list(argv)
     first, rest = argv[0], list(argv[1:])
-    if first == "--keep-alive":
-        return "serve", rest
     if first not in MODES:
         raise UsageError(f"unknown mode {first!r}. HINT: use train (default), tune, scale or serve")
     return first, rest

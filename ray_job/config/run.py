@@ -92,7 +92,7 @@ class TrainConfig:
                                 "and scaling sweeps", "optimisation")
     seed: int = _opt(0, "random seed (model init, synthetic data, shuffling)", "optimisation")
     # --- model ---
-    model: str = _opt("resnet50", "torchvision ResNet depth (10 outputs for CIFAR-10)", "model", choices=MODELS)
+    model: str = _opt("resnet50", "torchvision ResNet depth (one output per class)", "model", choices=MODELS)
     stem: str = _opt("cifar", "'cifar': 3x3 stride-1 first conv, no max-pool: full 32x32 resolution, ~16x "
                      "the FLOPs of 'imagenet' (ResNet-50: 2.6 vs 0.17 GFLOPs per image forward), reaches "
                      "~95%% on CIFAR-10; 'imagenet': 7x7 stride-2 conv + max-pool: 8x downsampled at once, "
@@ -208,9 +208,8 @@ class TrainConfig:
             raise UsageError("--label-smoothing must be below 1")
         if self.resource_wait_s <= 0 or self.collective_timeout_s <= 0 or self.grow_check_s <= 0:
             raise UsageError("--resource-wait-s, --collective-timeout-s and --grow-check-s must be positive")
-        if self.min_workers and self.num_workers and self.min_workers > self.num_workers:
-            raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers "
-                             f"{self.num_workers}; give --min-workers <= --num-workers")
+        if self.num_workers:
+            self.check_min_workers(self.num_workers)
         if self.image_size < 8:
             raise UsageError(f"--image-size must be at least 8, got {self.image_size}")
         if self.image_size != 32 and self.data in ("cifar10", "synthetic"):
@@ -232,6 +231,13 @@ class TrainConfig:
             raise UsageError("--mlflow-register needs --mlflow (or --mlflow-uri): tracking is off without it")
 
     # Derived values: computed, never stored, so a dict round-trip cannot make them stale.
+    def check_min_workers(self, num_workers: int) -> None:
+        """--min-workers fits the run's `num_workers` (the given --num-workers, or the count taken
+        from the cluster when it is 0)."""
+        if self.min_workers > num_workers:
+            raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers {num_workers}; "
+                             f"give --min-workers <= --num-workers")
+
     def per_worker_batch(self, world_size: int) -> int:
         if self.batch_mode == "per-worker":
             return self.batch_size

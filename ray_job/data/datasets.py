@@ -32,7 +32,7 @@ def imagefolder_cache(data_dir: str, progress: bool = False) -> str:
 
 
 def load_splits(cfg: TrainConfig) -> tuple[Split, Split]:
-    """Both splits in memory (synthetic, cifar10; prepared raw data copied in, for the seed's peer)."""
+    """Both splits in memory (synthetic, cifar10; prepared raw data copied in, for the raw-DDP baseline)."""
     if cfg.data == "synthetic":
         return (make_synthetic(cfg.synthetic_train_size, cfg.seed, True),
                 make_synthetic(cfg.synthetic_test_size, cfg.seed, False))

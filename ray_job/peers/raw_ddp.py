@@ -110,10 +110,11 @@ def dist_env(environ=None) -> DistEnv:
 def slurm_master(environ=None) -> tuple[str, str]:
     """MASTER_ADDR / MASTER_PORT under srun: as set, else the first node's NodeAddr and a port
     derived from the job id (every task computes the same)."""
+    from ..cluster.ports import job_port
     from ..cluster.slurm import node_addr, node_names
 
     env = os.environ if environ is None else environ
-    port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    port = env.get("MASTER_PORT") or str(job_port(env, int(env.get("SLURM_JOB_ID", "0"))))
     if env.get("MASTER_ADDR"):
         return env["MASTER_ADDR"], port
     return node_addr(node_names(env["SLURM_JOB_NODELIST"])[0]), port

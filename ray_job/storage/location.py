@@ -113,14 +113,6 @@ class Location:
     def write_text(self, text: str) -> None:
         self.write_bytes(text.encode())
 
-    def append_text(self, text: str) -> None:
-        """Object stores cannot append: read, add, write back (for small files only)."""
-        try:
-            old = self.read_text()
-        except FileNotFoundError:
-            old = ""
-        self.write_text(old + text)
-
     def delete(self) -> None:
         """Deletes the file or folder; nothing there is fine."""
         kind = self.info().type
