@@ -175,9 +175,9 @@ def test_staged_from_s3_once_per_node_and_checked_by_size(s3, cifar_src, tmp_pat
 
 
 def test_mid_epoch_resume_sees_exactly_the_rest_of_the_epoch(cifar_src, tmp_path):
-    """train_epoch's skip over a prepared dataset's loader: the same batches an uninterrupted epoch
+    """EpochSteps.train_epoch's skip over a prepared dataset's loader: the same batches an uninterrupted epoch
     would have had after the saved step, for this rank."""
-    from ray_job.train.engine import train_epoch
+    from ray_job.train.engine import EpochSteps
 
     prepare("cifar10", cifar_src, tmp_path / "p")
     ds = PreparedImages(str(tmp_path / "p"), "train", 32, True)
@@ -192,8 +192,9 @@ def test_mid_epoch_resume_sees_exactly_the_rest_of_the_epoch(cifar_src, tmp_path
         model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(32 * 32 * 3, 10))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-        train_epoch(model, loader(), opt, sched, torch.nn.CrossEntropyLoss(),
-                    lambda x, train: seen.append(x.clone()) or x.float(), torch.device("cpu"), skip_steps=skip)
+        steps = EpochSteps(model, opt, sched, torch.nn.CrossEntropyLoss(),
+                           lambda x, train: seen.append(x.clone()) or x.float(), torch.device("cpu"))
+        steps.train_epoch(loader(), skip_steps=skip)
         return seen
 
     full, resumed = run(0), run(3)

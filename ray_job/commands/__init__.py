@@ -17,7 +17,7 @@ commands:
                 prepared dataset (--from cifar10|imagefolder --src DIR --out DIR)
   scale         scaling: `scale sweep` runs the trainer for several --workers counts and reports
                 speedup and efficiency
-  bench         measurements: bench step | data-path | vs-ddp | race | checkpoints
+  bench         measurements: bench step | data-path | vs-ddp | race | checkpoints | tracking
 
 `python -m ray_job COMMAND --help` lists a command's flags with their defaults."""
 

@@ -126,7 +126,7 @@ def warnings_for(alloc: Allocation, plan: DriverPlan) -> list[str]:
     return []
 
 
-SUBCOMMANDS = {"scale": ("sweep", "predict")}
+SUBCOMMANDS = {"scale": ("sweep",)}
 
 
 def without_command(mode: str, flags: Sequence[str]) -> list[str]:

@@ -121,8 +121,8 @@ class TrainConfig:
                                "loader, 2 where images are decoded or resized on the CPU (torchvision, "
                                "prepared data not at --image-size)", "data")
     # --- speed ---
-    precision: str = _opt("auto", "bf16 autocast with fp32 master weights, or fp32; auto = bf16 on GPU, fp32 "
-                          "on CPU", "speed", choices=PRECISIONS)
+    precision: str = _opt("auto", "bf16 autocast with fp32 master weights, or fp32; auto = bf16 on a GPU "
+                          "that has it (compute capability 8.0+), else fp32", "speed", choices=PRECISIONS)
     channels_last: str = _opt("auto", "NHWC memory format; auto = on for GPU", "speed", choices=TRISTATE)
     compile: bool = _opt(False, "torch.compile the model (slow first epoch, faster steps)", "speed",
                          bool_flag=True)
@@ -230,7 +230,6 @@ class TrainConfig:
         if self.mlflow_register and not self.mlflow:
             raise UsageError("--mlflow-register needs --mlflow (or --mlflow-uri): tracking is off without it")
 
-    # Derived values: computed, never stored, so a dict round-trip cannot make them stale.
     def check_min_workers(self, num_workers: int) -> None:
         """--min-workers fits the run's `num_workers` (the given --num-workers, or the count taken
         from the cluster when it is 0)."""
@@ -238,6 +237,7 @@ class TrainConfig:
             raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers {num_workers}; "
                              f"give --min-workers <= --num-workers")
 
+    # Derived values: computed, never stored, so a dict round-trip cannot make them stale.
     def per_worker_batch(self, world_size: int) -> int:
         if self.batch_mode == "per-worker":
             return self.batch_size

@@ -16,8 +16,8 @@ class ExitCode(enum.IntEnum):
     STOPPED = 3          # stopped on request (SIGUSR1, .preempt) with a checkpoint
     CLUSTER_DOWN = 4     # slurm_ray_start.sh: the Ray cluster did not come up
     NO_RESOURCES = 5     # the workers did not fit for --resource-wait-s; nothing new saved
-    INTERRUPTED = 130    # Ctrl-C (SIGINT) with a checkpoint
-    TERMINATED = 143     # SIGTERM with a checkpoint
+    INTERRUPTED = 130    # Ctrl-C (SIGINT): a checkpoint where it stopped (a second Ctrl-C aborts: none)
+    TERMINATED = 143     # SIGTERM: likewise
 
 
 MEANING = {
@@ -27,8 +27,8 @@ MEANING = {
     ExitCode.STOPPED: "stopped on request with a checkpoint",
     ExitCode.CLUSTER_DOWN: "the Ray cluster did not come up",
     ExitCode.NO_RESOURCES: "the cluster could not hold the workers for --resource-wait-s",
-    ExitCode.INTERRUPTED: "interrupted (Ctrl-C) with a checkpoint",
-    ExitCode.TERMINATED: "terminated (SIGTERM) with a checkpoint",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C): with a checkpoint, unless a second one aborted",
+    ExitCode.TERMINATED: "terminated (SIGTERM): with a checkpoint, unless a second one aborted",
 }
 
 

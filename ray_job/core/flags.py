@@ -22,7 +22,11 @@ def flag_name(name: str) -> str:
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    def _get_help_string(self, action: argparse.Action) -> str:
+        """A help that already says its default in words is not given a second one."""
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
