@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from conftest import ROOT, run_cli
-from ray_job.bench.ceiling import flop_share, flops_per_image, matmul_flops
-from ray_job.bench.common import torchrun_cmd
+from ray_job.bench.common import flop_share, flops_per_image, matmul_flops, torchrun_cmd
 
 TINY_PEER = ["--data", "synthetic", "--model", "resnet18", "--num-classes", "10", "--synthetic-train-size",
              "256", "--synthetic-test-size", "128", "--batch-size", "64", "--print-every", "2"]

@@ -12,7 +12,7 @@
                       of its end, timed against a store (tracking.py)
 
 Each writes its report as strict JSON (--out) beside what it prints. The parts share common.py
-(device, timed steps, launchers) and ceiling.py (the device's peak FLOP/s).
+(device, timed steps, launchers, the device's peak FLOP/s).
 """
 
 from __future__ import annotations

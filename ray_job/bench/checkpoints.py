@@ -29,7 +29,7 @@ import torch
 from ..config import MODELS, STEMS
 from ..core.errors import UsageError
 from ..core.flags import option
-from .common import device_and_flags, fast_setup, machine, machine_busy_s, own_usage
+from .common import constant_scheduler, fast_setup, fmt, machine, machine_busy_s, own_usage
 
 MODES = ("none", "sync", "async")
 
@@ -59,7 +59,6 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
     from ..train.checkpointer import Checkpointer, LocalReports
     from ..train.engine import EpochSteps
     from ..train.runlog import RunLog
-    from .common import constant_scheduler
 
     torch.manual_seed(0)
     model, optimizer, batches, augment, device, bf16 = fast_setup(
@@ -115,7 +114,6 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
 
 def main(cfg: CheckpointBenchConfig) -> dict:
     cuda = torch.cuda.is_available()
-    device_and_flags(cuda)
     with tempfile.TemporaryDirectory(prefix="rj_bench_ckpt_") as scratch:
         storages = [s for s in cfg.storage.split(",") if s] or [scratch]
         passes = [run(cfg, where, mode, cuda) for _ in range(cfg.repeats) for where in storages for mode in MODES]
@@ -124,9 +122,9 @@ def main(cfg: CheckpointBenchConfig) -> dict:
     report = dict(kind="checkpoints", date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=machine(cuda),
                   torch=torch.__version__, config=dataclasses.asdict(cfg), runs=runs,
                   load_avg=list(os.getloadavg()))
+    by = {(r["storage"], r["mode"]): r for r in runs}
     for r in runs:
-        base = next(x for x in runs if x["storage"] == r["storage"] and x["mode"] == "none")
-        sync = next(x for x in runs if x["storage"] == r["storage"] and x["mode"] == "sync")
+        base, sync = by[r["storage"], "none"], by[r["storage"], "sync"]
         r["vs_none"] = r["images_per_s"] / base["images_per_s"]
         r["stall_vs_sync"] = r["stall_s"] / sync["stall_s"] if r["mode"] != "none" and sync["stall_s"] > 0 else None
     print(format_report(report))
@@ -143,13 +141,9 @@ def format_report(r: dict) -> str:
     for x in r["runs"]:
         where = x["storage"] if len(x["storage"]) <= 33 else "..." + x["storage"][-30:]
         lines.append(f"{where:<34}{x['mode']:<7}{x['images_per_s']:>9.1f}{x['vs_none']:>9.1%}"
-                     f"{x['stall_s'] * 1e3:>10.1f}"
-                     f"{'-' if x['stall_vs_sync'] is None else format(x['stall_vs_sync'], '.1%'):>9}"
-                     f"{'-' if x['upload_s'] is None else format(x['upload_s'], '.2f'):>10}"
-                     f"{'-' if x['cpu_s'] is None else format(x['cpu_s'], '.2f'):>7}"
-                     f"{'-' if x['checkpoint_mib'] is None else format(x['checkpoint_mib'], '.0f'):>7}"
-                     f"{x['checkpoints']:>7}"
-                     f"{'-' if x['other_cpu_share'] is None else format(x['other_cpu_share'], '.1%'):>11}")
+                     f"{x['stall_s'] * 1e3:>10.1f}{fmt(x['stall_vs_sync'], '.1%'):>9}{fmt(x['upload_s'], '.2f'):>10}"
+                     f"{fmt(x['cpu_s'], '.2f'):>7}{fmt(x['checkpoint_mib'], '.0f'):>7}{x['checkpoints']:>7}"
+                     f"{fmt(x['other_cpu_share'], '.1%'):>11}")
     lines.append("CPU s: the writer's CPU time per checkpoint; other CPU: share of the machine busy outside this "
                  "process (an S3 server on this machine, other jobs)")
     lines.append("targets: async keeps >= 98% of the images/s without checkpoints; its stall <= 10% of sync's")

@@ -1,9 +1,13 @@
 """What the benchmarks share: the device and `train`'s own speed choices for it, timed steps, the
-machine's name, launching torchrun processes that find this ray_job, and joining Ray."""
+machine's name, launching torchrun processes that find this ray_job, and joining Ray. And the
+ceiling: the device's dense matmul FLOP/s (fp32 on CPU; bf16 and fp32 on GPU), measured in the same
+run as a benchmark, and a model's FLOPs per image counted once with torch.utils.flop_counter, so
+that every images/s figure is also a share of the machine's peak."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -107,23 +111,26 @@ def machine(cuda: bool) -> str:
     return f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
 
 
-def child_env(threads: int) -> dict:
-    """Environment of launched processes: they find this ray_job even when it is not installed."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "OMP_NUM_THREADS": str(threads),
-            "PYTHONPATH": root + (os.pathsep + path if path else "")}
-
-
 def torchrun_cmd(workers: int, *module_args: str) -> list[str]:
     """torchrun (as `python -m torch.distributed.run`, which is what the torchrun script runs)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
             "-m", *module_args]
 
 
-def tail(path: str, n: int = 25) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-n:])
+def run_torchrun(what: str, workers: int, args: list[str], threads: int, log: str, out: str,
+                 timeout: float) -> None:
+    """torchrun of `-m ARGS`, its output in `log`; fails with the log's last lines unless it exits 0
+    having written `out`. Its processes find this ray_job even when it is not installed."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": root + (os.pathsep + path if path else "")}
+    with open(log, "w") as f:
+        proc = subprocess.run(torchrun_cmd(workers, *args), stdout=f, stderr=subprocess.STDOUT, env=env,
+                              timeout=timeout)
+    if proc.returncode != 0 or not os.path.exists(out):
+        with open(log, errors="replace") as f:
+            tail = "".join(f.readlines()[-25:])
+        raise RuntimeError(f"{what} exited with {proc.returncode}; last lines of {log}:\n{tail}")
 
 
 def connect_ray(workers: int, cuda: bool) -> tuple[float, int]:
@@ -145,3 +152,81 @@ def connect_ray(workers: int, cuda: bool) -> tuple[float, int]:
         raise UsageError(f"--workers {workers} of {threads} CPU{' + 1 GPU' if cuda else ''} cannot fit: the "
                          f"Ray cluster holds {fits}; lower --workers")
     return time.time() - t, threads
+
+
+def check_workers(workers: int, global_batch: int, cuda: bool) -> None:
+    if workers < 1:
+        raise UsageError("--workers must be at least 1")
+    if cuda and workers > torch.cuda.device_count():
+        raise UsageError(f"--workers {workers} needs {workers} GPUs (one per process); this machine has "
+                         f"{torch.cuda.device_count()}")
+    if global_batch < workers:
+        raise UsageError(f"--batch-size {global_batch} (global) is smaller than --workers {workers}")
+
+
+# --- the ceiling ----------------------------------------------------------------------------------
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 5) -> float:
+    """Dense matmul FLOP/s of this device (best of `repeats`): the peak a training step can use."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    out = torch.empty_like(a)
+    inner = 10 if device.type == "cuda" else 1
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    torch.mm(a, b, out=out)
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            torch.mm(a, b, out=out)
+        sync()
+        best = min(best, (time.perf_counter() - t) / inner)
+    return 2 * n**3 / best
+
+
+def device_peaks(cuda: bool, n: int = 0) -> dict:
+    """fp32 (and on GPU bf16) matmul FLOP/s, with the size and threads it was measured with."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    n = n or (8192 if cuda else 2048)
+    peaks = dict(matmul_n=n, threads=torch.get_num_threads(), fp32=matmul_flops(device, torch.float32, n))
+    if cuda:
+        peaks["bf16"] = matmul_flops(device, torch.bfloat16, n)
+        torch.cuda.empty_cache()
+    return peaks
+
+
+def flops_per_image(model: nn.Module, image: tuple = (3, 32, 32), batch: int = 2) -> dict:
+    """Forward and training-step (forward + backward) FLOPs per image, counted once on the CPU."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = model.cpu().train()
+    x = torch.randn(batch, *image)
+    with FlopCounterMode(display=False) as fwd:
+        with torch.no_grad():
+            model(x)
+    with FlopCounterMode(display=False) as step:
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return dict(forward=fwd.get_total_flops() / batch, train_step=step.get_total_flops() / batch)
+
+
+def flop_share(images_per_s: Optional[float], flops_image: float, peak: float, devices: int = 1) -> dict:
+    """Achieved FLOP/s of a run and its share of `devices` x the measured peak."""
+    if not images_per_s:
+        return dict(achieved_flops=None, flop_share=None)
+    achieved = images_per_s * flops_image
+    return dict(achieved_flops=achieved, flop_share=achieved / (peak * devices))
+
+
+def fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def format_peaks(peaks: dict) -> str:
+    parts = [f"{k} {peaks[k] / 1e9:,.1f} GFLOP/s" for k in ("fp32", "bf16") if k in peaks]
+    return f"device peak (dense {peaks['matmul_n']}x{peaks['matmul_n']} matmul, {peaks['threads']} threads): " \
+           + ", ".join(parts)

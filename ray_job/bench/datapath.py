@@ -56,14 +56,6 @@ def rss_kib(pid: Optional[int] = None) -> dict:
     return out
 
 
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
 class PeakAnon:
     """Peak RssAnon (MiB) of this process and, summed, of its child processes (loader workers)."""
 
@@ -73,8 +65,12 @@ class PeakAnon:
 
     def sample(self) -> None:
         self.main = max(self.main, rss_kib().get("RssAnon", 0) / 1024)
-        kids = sum(rss_kib(c).get("RssAnon", 0) for c in children(os.getpid())) / 1024
-        self.kids = max(self.kids, kids)
+        try:
+            with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+                kids = [int(p) for p in f.read().split()]
+        except OSError:
+            kids = []
+        self.kids = max(self.kids, sum(rss_kib(c).get("RssAnon", 0) for c in kids) / 1024)
 
 
 def time_loader(ds, batch: int, workers: int, device_crop: bool, max_images: int,
@@ -170,32 +166,24 @@ def memory_worker(argv: list[str]) -> int:
         images, labels = ds.__getitems__(list(range(len(ds))))
         ds = ArrayDataset(Split(images, labels, ds.classes))
     result = time_loader(ds, batch, 0, True, 10**12, world, rank)
-    after = rss_kib()
-    print(json.dumps(dict(kind=kind, world=world, rank=rank, before=before, after=after,
-                          anon_peak_mib=result["anon_peak_mib"], images=result["images"],
+    print(json.dumps(dict(before=before, after=rss_kib(), anon_peak_mib=result["anon_peak_mib"],
                           images_per_s=result["images_per_s"])))
     return 0
 
 
-def run_processes(kind: str, folder: str, world: int, batch: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "ray_job.bench.datapath", kind, folder, str(world),
-                               str(rank), str(batch)], stdout=subprocess.PIPE, text=True, env=env)
-             for rank in range(world)]
-    results = []
-    for p in procs:
-        out, _ = p.communicate(timeout=1800)
-        if p.returncode != 0:
-            raise RuntimeError(f"memory worker failed with {p.returncode}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
-
-
 def measure_memory(folder: str, big: str, batch: int) -> list[dict]:
-    rows = []
+    """1 and 2 memory workers at once, in-memory and prepared, on the dataset and its 4x copy."""
+    rows, env = [], {**os.environ, "OMP_NUM_THREADS": "1"}
     for kind, where, times in (("in-memory", folder, 1), ("prepared", folder, 1), ("prepared", big, 4)):
         for world in (1, 2):
-            procs = run_processes(kind, where, world, batch)
+            procs = [subprocess.Popen([sys.executable, "-m", "ray_job.bench.datapath", kind, where, str(world),
+                                       str(rank), str(batch)], stdout=subprocess.PIPE, text=True, env=env)
+                     for rank in range(world)]
+            outs = [p.communicate(timeout=1800)[0] for p in procs]
+            for p in procs:
+                if p.returncode != 0:
+                    raise RuntimeError(f"memory worker failed with {p.returncode}")
+            procs = [json.loads(out.strip().splitlines()[-1]) for out in outs]
             rows.append(dict(kind=kind, dataset_x=times, dataset_mib=dataset_mib(where), world=world,
                              anon_mib=[p["anon_peak_mib"] for p in procs],
                              file_mib=[p["after"].get("RssFile", 0) / 1024 for p in procs],
@@ -227,70 +215,6 @@ def format_memory(rows: list[dict]) -> list[str]:
     return lines
 
 
-# --- the throughput measurement -------------------------------------------------------------------
-
-def measure(src: str, work: str, image_size: int, batch: int, max_images: int, loader_workers: int,
-            generate: int, memory: bool) -> dict:
-    from ..data.arrays import ArrayDataset, Split
-    from ..data.augment import return_large_allocations
-
-    os.makedirs(work, exist_ok=True)
-    folder = source_folder(src, work, generate)
-    raw, encoded = os.path.join(work, "prepared_raw"), os.path.join(work, "prepared_jpeg")
-    t = time.perf_counter()
-    ensure_prepared(imagefolder_source(folder), raw, progress=True)
-    ensure_prepared(imagefolder_source(folder, "encoded"), encoded, progress=True)
-    prep_s = time.perf_counter() - t
-    report = dict(date=time.strftime("%Y-%m-%d %H:%M"), source=folder, cpus=os.cpu_count(),
-                  load_avg_before=list(os.getloadavg()), prepare_s=prep_s,
-                  raw_mib=dataset_mib(raw), jpeg_mib=dataset_mib(encoded))
-    torch.set_num_threads(1)  # as a 1-CPU training worker
-    prep = PreparedImages(raw, "train", 32, True)
-    if not prep.device_crop:
-        raise DataError(f"--data-src {folder}: the in-memory path needs 32x32 images "
-                                 f"(got {prep.manifest['geometry']})")
-    images, labels = prep.__getitems__(list(range(len(prep))))
-    memory_ds = ArrayDataset(Split(images, labels, prep.classes))
-    # alternated, best of PASSES each: on a shared machine the other jobs' load comes and goes
-    best: dict = {}
-    for _ in range(PASSES):
-        for name, ds in (("in-memory uint8 (32 px)", memory_ds), ("prepared raw, mmap (32 px)", prep)):
-            m = time_loader(ds, batch, 0, True, max_images)
-            if name not in best or m["images_per_s"] > best[name]["images_per_s"]:
-                best[name] = m
-    del memory_ds, images, labels
-    return_large_allocations()  # as a training worker with loader workers does (data.py)
-    report["paths"] = {
-        **best,
-        f"prepared JPEG -> {image_size} px": time_loader(
-            PreparedImages(encoded, "train", image_size, True), batch, loader_workers,
-            False, max_images),
-    }
-    if memory:
-        report["memory"] = measure_memory(raw, replicate(raw, 4, os.path.join(work, "prepared_raw_x4")),
-                                          batch)
-    report["load_avg_after"] = list(os.getloadavg())
-    return report
-
-
-def format_report(r: dict) -> str:
-    lines = [f"data path {r['date']}: {r['source']} ({r['raw_mib']:.0f} MiB raw, {r['jpeg_mib']:.0f} MiB as "
-             f"JPEG; prepared in {r['prepare_s']:.1f} s); {r['cpus']} CPUs, load average "
-             f"{r['load_avg_before'][0]:.2f} -> {r['load_avg_after'][0]:.2f}",
-             f"{'loader (1 training worker, no model)':<38}{'loader workers':>15}{'img/s':>10}"
-             f"{'img/s per loader worker':>25}{'RssAnon MiB':>13}{'+ loader workers':>18}"]
-    for name, m in r["paths"].items():
-        lines.append(f"{name:<38}{m['loader_workers']:>15}{m['images_per_s']:>10.0f}"
-                     f"{m['per_loader_worker']:>25.0f}{m['anon_peak_mib']:>13.0f}"
-                     f"{m['loader_workers_anon_mib']:>18.0f}")
-    names = list(r["paths"])
-    ratio = r["paths"][names[1]]["images_per_s"] / r["paths"][names[0]]["images_per_s"]
-    lines.append(f"  prepared / in-memory: {ratio:.1%} of the images/s (target >= 95%)")
-    if "memory" in r:
-        lines += format_memory(r["memory"])
-    return "\n".join(lines)
-
-
 @dataclasses.dataclass(frozen=True)
 class DataPathConfig:
     src: str = option("", "image folder of same-size images (SRC/{train,test}/<class>/*); default: generated "
@@ -310,12 +234,66 @@ class DataPathConfig:
                              "least 8, --batch-size at least 1")
 
 
+# --- the throughput measurement -------------------------------------------------------------------
+
 def main(cfg: DataPathConfig) -> dict:
-    work = cfg.work or os.path.join(os.path.dirname(cfg.out), "bench_data")
-    report = measure(cfg.src, work, cfg.image_size, cfg.batch_size, cfg.images, cfg.loader_workers,
-                     cfg.generate, cfg.memory)
+    from ..data.arrays import ArrayDataset, Split
+    from ..data.augment import return_large_allocations
+
+    work, batch = cfg.work or os.path.join(os.path.dirname(cfg.out), "bench_data"), cfg.batch_size
+    os.makedirs(work, exist_ok=True)
+    folder = source_folder(cfg.src, work, cfg.generate)
+    raw, encoded = os.path.join(work, "prepared_raw"), os.path.join(work, "prepared_jpeg")
+    t = time.perf_counter()
+    ensure_prepared(imagefolder_source(folder), raw, progress=True)
+    ensure_prepared(imagefolder_source(folder, "encoded"), encoded, progress=True)
+    prep_s = time.perf_counter() - t
+    report = dict(date=time.strftime("%Y-%m-%d %H:%M"), source=folder, cpus=os.cpu_count(),
+                  load_avg_before=list(os.getloadavg()), prepare_s=prep_s,
+                  raw_mib=dataset_mib(raw), jpeg_mib=dataset_mib(encoded))
+    torch.set_num_threads(1)  # as a 1-CPU training worker
+    prep = PreparedImages(raw, "train", 32, True)
+    if not prep.device_crop:
+        raise DataError(f"--data-src {folder}: the in-memory path needs 32x32 images (got {prep.manifest['geometry']})")
+    images, labels = prep.__getitems__(list(range(len(prep))))
+    memory_ds = ArrayDataset(Split(images, labels, prep.classes))
+    # alternated, best of PASSES each: on a shared machine the other jobs' load comes and goes
+    best: dict = {}
+    for _ in range(PASSES):
+        for name, ds in (("in-memory uint8 (32 px)", memory_ds), ("prepared raw, mmap (32 px)", prep)):
+            m = time_loader(ds, batch, 0, True, cfg.images)
+            if name not in best or m["images_per_s"] > best[name]["images_per_s"]:
+                best[name] = m
+    del memory_ds, images, labels
+    return_large_allocations()  # as a training worker with loader workers does (data.py)
+    report["paths"] = {
+        **best,
+        f"prepared JPEG -> {cfg.image_size} px": time_loader(
+            PreparedImages(encoded, "train", cfg.image_size, True), batch, cfg.loader_workers, False, cfg.images),
+    }
+    if cfg.memory:
+        report["memory"] = measure_memory(raw, replicate(raw, 4, os.path.join(work, "prepared_raw_x4")), batch)
+    report["load_avg_after"] = list(os.getloadavg())
     print(format_report(report))
     return report
+
+
+def format_report(r: dict) -> str:
+    lines = [f"data path {r['date']}: {r['source']} ({r['raw_mib']:.0f} MiB raw, {r['jpeg_mib']:.0f} MiB as "
+             f"JPEG; prepared in {r['prepare_s']:.1f} s); {r['cpus']} CPUs, load average "
+             f"{r['load_avg_before'][0]:.2f} -> {r['load_avg_after'][0]:.2f}",
+             f"{'loader (1 training worker, no model)':<38}{'loader workers':>15}{'img/s':>10}"
+             f"{'img/s per loader worker':>25}{'RssAnon MiB':>13}{'+ loader workers':>18}"]
+    for name, m in r["paths"].items():
+        lines.append(f"{name:<38}{m['loader_workers']:>15}{m['images_per_s']:>10.0f}"
+                     f"{m['per_loader_worker']:>25.0f}{m['anon_peak_mib']:>13.0f}"
+                     f"{m['loader_workers_anon_mib']:>18.0f}")
+    names = list(r["paths"])
+    ratio = r["paths"][names[1]]["images_per_s"] / r["paths"][names[0]]["images_per_s"]
+    lines.append(f"  prepared / in-memory: {ratio:.1%} of the images/s (target >= 95%)")
+    if "memory" in r:
+        lines += format_memory(r["memory"])
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # a memory worker of measure_memory

@@ -1,6 +1,5 @@
-"""One throughput run of `bench vs-ddp`: the same code under torchrun and under Ray Train, with the
-raw-DDP baseline's loop or ours. Under torchrun the loops wrap DDP and a DistributedSampler
-themselves, exactly as Ray's prepare_* helpers do; everything else is the same function (`run_loop`).
+"""One throughput run of `bench vs-ddp` (vsddp.py): the raw-DDP baseline's loop or ours, the same
+code under torchrun and under Ray Train.
 
     python -m ray_job.bench.loops SPEC.json    # one torchrun process of a run (vsddp.py starts it)
 """
@@ -25,8 +24,8 @@ from ..config import Speed
 from ..storage import read_json, write_json
 from .common import BaselineRecipe, machine_busy_s, own_usage
 
-
 LOOPS = ("baseline", "ours")
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -66,26 +65,12 @@ class Placement:
             return None  # Ray's prepare_data_loader adds it
         return DistributedSampler(dataset, num_replicas=self.world, rank=self.rank, shuffle=True)
 
-    def wrap_loader(self, loader: DataLoader, move: bool):
-        if self.ray:
-            import ray.train.torch
+    def wrap_loader(self, loader: DataLoader):
+        if not self.ray:
+            return loader
+        import ray.train.torch
 
-            return ray.train.torch.prepare_data_loader(loader)
-        return _ToDevice(loader, self.device) if move else loader
-
-
-class _ToDevice:
-    """Batches copied to the device without blocking (what prepare_data_loader does under Ray)."""
-
-    def __init__(self, loader: DataLoader, device: torch.device):
-        self.loader, self.device, self.sampler = loader, device, loader.sampler
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        for x, y in self.loader:
-            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return ray.train.torch.prepare_data_loader(loader)
 
 
 def _set_epoch(loader, epoch: int) -> None:
@@ -99,8 +84,7 @@ def _baseline_loop(spec: RunSpec, place: Placement, split, per_rank: int):
     env = raw_ddp.DistEnv(place.rank, place.world, 0, "ray" if place.ray else "torchrun")
     model = place.wrap_model(raw_ddp.build_baseline_model(spec.model, spec.num_classes, spec.stem))
     optimizer = raw_ddp.baseline_optimizer(model, BaselineRecipe.lr, BaselineRecipe.momentum)
-    loader = place.wrap_loader(raw_ddp.baseline_train_loader(split, per_rank, env, 0, 0, not place.ray),
-                               move=False)
+    loader = place.wrap_loader(raw_ddp.baseline_train_loader(split, per_rank, env, 0, 0, not place.ray))
     criterion = nn.CrossEntropyLoss()
 
     def epoch(e: int, steps: int):
@@ -129,7 +113,7 @@ def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
     ds = ArrayDataset(split)
     sampler = place.sampler(ds)
     loader = place.wrap_loader(DataLoader(ds, batch_size=per_rank, shuffle=sampler is None, sampler=sampler,
-                                          drop_last=True, collate_fn=ds.collate_fn, pin_memory=cuda), move=True)
+                                          drop_last=True, collate_fn=ds.collate_fn, pin_memory=cuda))
     steps = EpochSteps(model, optimizer, constant_scheduler(optimizer), nn.CrossEntropyLoss(),
                        DeviceAugment(place.device, speed.channels_last), place.device, speed.bf16)
     # The step control looks for a stop request in a run folder, as in `train`: a scratch one here.
@@ -140,10 +124,13 @@ def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
         """One epoch of `count` steps on `train`'s per-step path: the step, rank 0's progress lines
         (--log-every 10, as `train`'s default) and the step control's poll."""
         _set_epoch(loader, e)
+        # batches copied to the device without blocking, as Ray's prepare_data_loader does
+        batches = loader if place.ray else ((x.to(place.device, non_blocking=True),
+                                             y.to(place.device, non_blocking=True)) for x, y in loader)
         progress = Progress("lines", 2, count, spec.global_batch, 10) if place.rank == 0 else None
         if progress is not None:
             progress.start_epoch(e, 0, None)
-        for _ in controlled_steps(steps, loader, count, 0, control, progress):
+        for _ in controlled_steps(steps, batches, count, 0, control, progress):
             pass
         if progress is not None:
             progress.close()
@@ -235,7 +222,6 @@ def _ray_worker(config: dict) -> Optional[dict]:
     ctx = ray.train.get_context()
     place = Placement(ctx.get_world_rank(), ctx.get_world_size(), ray.train.torch.get_device(), ray=True)
     return run_loop(RunSpec(**config["spec"]), place)
-
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import dataclasses
 import os
 import shlex
 import shutil
-import subprocess
 import threading
 import time
 from typing import Any, Optional
@@ -23,9 +22,7 @@ from ..config import DATASETS, MODELS, STEMS
 from ..core.errors import UsageError
 from ..core.flags import option
 from ..storage import read_json, read_jsonl
-from .ceiling import _f
-from .common import BaselineRecipe, child_env, connect_ray, machine, tail, torchrun_cmd
-from .vsddp import check_workers
+from .common import BaselineRecipe, check_workers, connect_ray, fmt, machine, run_torchrun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,23 +67,19 @@ def _recipe_result(history: list[dict], launched: float, first_step: Optional[fl
                 history=[dict(epoch=h["epoch"], t_s=h["t_s"], test_acc=h["test_acc"]) for h in hist], **extra)
 
 
-def race_baseline(cfg: RaceConfig, size: dict, work: str, threads: int, data_args: list[str]) -> dict:
+def race_baseline(cfg: RaceConfig, work: str, threads: int, data_args: list[str]) -> dict:
     """The raw-DDP baseline's recipe under torchrun, stopping at the target or the budget."""
     report = os.path.join(work, "baseline_report.json")
     steps = cfg.eval_every_images // BaselineRecipe.batch if cfg.eval_every_images else 0
-    args = ["ray_job.peers.raw_ddp", "--model", size["model"], "--stem", size["stem"], "--num-classes", "10",
+    args = ["ray_job.peers.raw_ddp", "--model", cfg.model, "--stem", cfg.stem, "--num-classes", "10",
             *data_args, "--epochs", "100000", "--target-acc", str(cfg.target),
             "--time-budget-s", str(cfg.budget_s), "--steps-per-epoch", str(steps),
             "--checkpoint-dir", os.path.join(work, "baseline_checkpoints"), "--report-json", report,
             *shlex.split(cfg.baseline_flags)]
     log = os.path.join(work, "baseline.log")
     launched = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.run(torchrun_cmd(cfg.workers, *args), stdout=f, stderr=subprocess.STDOUT,
-                              env=child_env(threads), timeout=cfg.budget_s * 2 + 600)
+    run_torchrun("the baseline recipe", cfg.workers, args, threads, log, report, cfg.budget_s * 2 + 600)
     wall = time.time() - launched
-    if proc.returncode != 0 or not os.path.exists(report):
-        raise RuntimeError(f"the baseline recipe exited with {proc.returncode}; last lines of {log}:\n{tail(log)}")
     r = read_json(report)
     keep = f"epoch_{r['epochs'][-1]['epoch']}" if r["epochs"] else None
     for folder in os.listdir(os.path.join(work, "baseline_checkpoints")):  # one per evaluation: keep the last
@@ -97,7 +90,7 @@ def race_baseline(cfg: RaceConfig, size: dict, work: str, threads: int, data_arg
                           "momentum 0.9, PIL pipeline", log=log, command="torchrun " + shlex.join(args))
 
 
-def race_ours(cfg: RaceConfig, size: dict, work: str, threads: int, data_args: list[str]) -> dict:
+def race_ours(cfg: RaceConfig, work: str, threads: int, data_args: list[str]) -> dict:
     """`train --recipe fast` under Ray Train; a watcher asks it to stop (a stop request) at the
     target or the budget."""
     from ..config import parse_train_args
@@ -106,7 +99,7 @@ def race_ours(cfg: RaceConfig, size: dict, work: str, threads: int, data_args: l
     from ..train.runfiles import EVENTS_JSONL, METRICS_JSONL, Event
 
     name = f"race_ours_{time.strftime('%Y%m%d_%H%M%S')}"
-    argv = ["--recipe", "fast", "--model", size["model"], "--stem", size["stem"], *data_args,
+    argv = ["--recipe", "fast", "--model", cfg.model, "--stem", cfg.stem, *data_args,
             "--num-workers", str(cfg.workers), "--cpus-per-worker", str(threads), "--storage-path", work,
             "--name", name, "--log-every", "0",
             "--max-failures", "0", "--keep-checkpoints", "1", *shlex.split(cfg.ours_flags)]
@@ -145,18 +138,16 @@ def race_ours(cfg: RaceConfig, size: dict, work: str, threads: int, data_args: l
         why["stopped"] = "epochs"
     rows = read_jsonl(os.path.join(run_dir, METRICS_JSONL))
     first = [e["time"] for e in read_jsonl(os.path.join(run_dir, EVENTS_JSONL)) if e["event"] == Event.FIRST_STEP]
-    history = [dict(epoch=r["epoch"], time=r["time"], test_acc=r["test_acc"]) for r in rows]
-    return _recipe_result(history, launched, first[0] if first else None, cfg.target, why["stopped"],
+    return _recipe_result(rows, launched, first[0] if first else None, cfg.target, why["stopped"],
                           wall, launcher="ray", recipe="ours: train --recipe fast", run_dir=run_dir,
                           command="python -m ray_job train " + shlex.join(argv))
 
 
-def measure_to_accuracy(cfg: RaceConfig) -> dict:
+def main(cfg: RaceConfig) -> dict:
     from ..config import TrainConfig
     from ..data.datasets import check_data, load_splits
 
     cuda = torch.cuda.is_available()
-    size = dict(model=cfg.model, stem=cfg.stem)
     check_workers(cfg.workers, BaselineRecipe.batch, cuda)
     work = os.path.join(os.path.dirname(cfg.out), f"bench_to_accuracy_{time.strftime('%Y%m%d_%H%M%S')}")
     os.makedirs(work, exist_ok=True)
@@ -172,12 +163,13 @@ def measure_to_accuracy(cfg: RaceConfig) -> dict:
     load_before = os.getloadavg()
     report = dict(kind="to_accuracy", date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=machine(cuda),
                   torch=torch.__version__, workers=cfg.workers, target_acc=cfg.target, budget_s=cfg.budget_s,
-                  data=cfg.data, data_dir=cfg.data_dir, eval_every_images=cfg.eval_every_images,
-                  data_prepare_s=data_s, ray_cluster_start_s=cluster_s, **size)
-    report["baseline"] = race_baseline(cfg, size, work, threads, data_args)
-    report["ours"] = race_ours(cfg, size, work, threads, data_args)
+                  data=cfg.data, data_dir=cfg.data_dir, eval_every_images=cfg.eval_every_images, model=cfg.model,
+                  stem=cfg.stem, data_prepare_s=data_s, ray_cluster_start_s=cluster_s)
+    report["baseline"] = race_baseline(cfg, work, threads, data_args)
+    report["ours"] = race_ours(cfg, work, threads, data_args)
     report["load_avg"] = dict(before=list(load_before), after=list(os.getloadavg()))
     report["comparison"] = compare(report["baseline"], report["ours"], cfg.target)
+    print(format_to_accuracy(report))
     return report
 
 
@@ -201,18 +193,11 @@ def format_to_accuracy(r: dict) -> str:
     for key in ("baseline", "ours"):
         x = r[key]
         lines.append(f"{key:<9}{x['launcher']:<10}{x['stopped']:<9}{x['evaluations']:>6}"
-                     f"{_f(x['final_acc'], '.4f'):>10}{_f(x['best_acc'], '.4f'):>9}{x['wall_s']:>8.1f}"
-                     f"{_f(x['launch_to_first_step_s'], '.1f'):>11}{_f(x['time_to_target_s'], '.1f'):>12}"
-                     f"{_f(x['train_time_to_target_s'], '.1f'):>10}")
+                     f"{fmt(x['final_acc'], '.4f'):>10}{fmt(x['best_acc'], '.4f'):>9}{x['wall_s']:>8.1f}"
+                     f"{fmt(x['launch_to_first_step_s'], '.1f'):>11}{fmt(x['time_to_target_s'], '.1f'):>12}"
+                     f"{fmt(x['train_time_to_target_s'], '.1f'):>10}")
     c = r["comparison"]
-    lines.append(f"the baseline's accuracy {_f(c['reference_acc'], '.4f')}: baseline {_f(c['baseline_s'], '.1f')} "
-                 f"s, ours {_f(c['ours_s'], '.1f')} s from launch -> ours/baseline "
-                 f"{_f(c['ours_vs_baseline_time'], '.2f')}x (target: <= 0.33)")
+    lines.append(f"the baseline's accuracy {fmt(c['reference_acc'], '.4f')}: baseline {fmt(c['baseline_s'], '.1f')} "
+                 f"s, ours {fmt(c['ours_s'], '.1f')} s from launch -> ours/baseline "
+                 f"{fmt(c['ours_vs_baseline_time'], '.2f')}x (target: <= 0.33)")
     return "\n".join(lines)
-
-
-
-def main(cfg: RaceConfig) -> dict:
-    report = measure_to_accuracy(cfg)
-    print(format_to_accuracy(report))
-    return report

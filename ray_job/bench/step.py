@@ -7,7 +7,7 @@ project's training step, measured in one run on whatever device is there:
   3. fast      this project's step without Ray: uint8 batches, pinned, copied, augmented on device;
   4. ray       the same step inside Ray Train with 1 worker (prepare_model / prepare_data_loader).
 It prints images/s, the data-loading share, peak memory and the ratios, and writes JSON, with the
-ceiling (ceiling.py): each row's achieved FLOP/s as a share of the device's matmul peak.
+ceiling (common.py): each row's achieved FLOP/s as a share of the device's matmul peak.
 
     python -m ray_job bench step                       # CPU-sized defaults, about a minute on 2 cores
     python -m ray_job bench step --stems imagenet,cifar --batch-size 2048 --steps 50   # one GPU
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import time
 
 import torch
@@ -25,8 +24,8 @@ import torch
 from ..config import MODELS
 from ..core.errors import UsageError
 from ..core.flags import option
-from .ceiling import device_peaks, flop_share, flops_per_image, format_peaks
-from .common import BaselineRecipe, device_and_flags, fast_setup, run_steps
+from .common import (BaselineRecipe, device_and_flags, device_peaks, fast_setup, flop_share, flops_per_image, fmt,
+                     format_peaks, machine, run_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +59,17 @@ class StepConfig:
         return (2048 if stem == "imagenet" else 512) if cuda else 256
 
 
-def bench_fast(cfg: StepConfig, stem: str, cuda: bool) -> dict:
+def bench_fast(cfg: StepConfig, stem: str, cuda: bool, compute: bool = True, **prepare) -> dict:
+    """The fast path's images/s and, with `compute`, the same step on one batch already on the device."""
     batch = cfg.batch_for(stem, cuda)
     model, opt, batches, aug, device, bf16 = fast_setup(
-        cfg.model, stem, batch, batch * max(cfg.steps, cfg.warmup), cuda, cfg.compile)
-    fast = run_steps(model, batches, opt, aug, device, bf16, cfg.steps, cfg.warmup)
-    x, y = next(iter(batches()))
-    fixed = (lambda: iter([(x, y)] * max(cfg.steps, cfg.warmup)))
-    compute = run_steps(model, fixed, opt, aug, device, bf16, cfg.steps, cfg.warmup)
-    return {"fast": fast, "compute": compute}
+        cfg.model, stem, batch, batch * max(cfg.steps, cfg.warmup), cuda, cfg.compile, **prepare)
+    result = {"fast": run_steps(model, batches, opt, aug, device, bf16, cfg.steps, cfg.warmup)}
+    if compute:
+        x, y = next(iter(batches()))
+        fixed = (lambda: iter([(x, y)] * max(cfg.steps, cfg.warmup)))
+        result["compute"] = run_steps(model, fixed, opt, aug, device, bf16, cfg.steps, cfg.warmup)
+    return result
 
 
 def bench_baseline(cfg: StepConfig, cuda: bool) -> dict:
@@ -95,15 +96,10 @@ def _ray_worker(config: dict) -> dict:
 
     from ..train.build import ray_placement
 
-    cfg, stem = StepConfig(**config["bench"]), config["stem"]
     torch.set_num_threads(config["threads"])
-    cuda = torch.cuda.is_available() and config["cuda"]
-    batch = cfg.batch_for(stem, cuda)
-    model, opt, batches, aug, device, bf16 = fast_setup(
-        cfg.model, stem, batch, batch * max(cfg.steps, cfg.warmup), cuda, cfg.compile,
-        prepare_model=ray_placement().model,
-        prepare_loader=lambda loader: ray.train.torch.prepare_data_loader(loader))
-    return run_steps(model, batches, opt, aug, device, bf16, cfg.steps, cfg.warmup)
+    return bench_fast(StepConfig(**config["bench"]), config["stem"], torch.cuda.is_available() and config["cuda"],
+                      False, prepare_model=ray_placement().model,
+                      prepare_loader=ray.train.torch.prepare_data_loader)["fast"]
 
 
 def bench_ray(cfg: StepConfig, stem: str, cuda: bool) -> dict:
@@ -131,27 +127,22 @@ def add_flop_shares(report: dict, cuda: bool) -> None:
     from ..model.resnet import build_model
 
     cfg, peaks = report["config"], report["ceiling"]
-    _, bf16, _ = device_and_flags(cuda)
-    baseline_flops = flops_per_image(torchvision.models.__dict__[cfg["model"]](weights=None))  # 1000-class head
-    report["baseline"].update(precision="fp32", flops_per_image=baseline_flops["train_step"],
-                              **flop_share(report["baseline"]["images_per_s"], baseline_flops["train_step"],
-                                           peaks["fp32"]))
+    ours = "bf16" if device_and_flags(cuda)[1] else "fp32"
+    groups = [("fp32", torchvision.models.__dict__[cfg["model"]](weights=None), [report["baseline"]])]  # 1000 classes
     for stem in cfg["stems"].split(","):
-        flops = flops_per_image(build_model(cfg["model"], stem, 10))["train_step"]
-        for kind in ("compute", "fast", "ray"):
-            if kind in report[stem]:
-                row = report[stem][kind]
-                precision = "bf16" if bf16 else "fp32"
-                row.update(precision=precision, flops_per_image=flops,
-                           **flop_share(row["images_per_s"], flops, peaks.get(precision, peaks["fp32"])))
+        rows = [report[stem][k] for k in ("compute", "fast", "ray") if k in report[stem]]
+        groups.append((ours, build_model(cfg["model"], stem, 10), rows))
+    for precision, model, rows in groups:
+        flops = flops_per_image(model)["train_step"]
+        for row in rows:
+            row.update(precision=precision, flops_per_image=flops,
+                       **flop_share(row["images_per_s"], flops, peaks.get(precision, peaks["fp32"])))
 
 
-def measure(cfg: StepConfig) -> dict:
-
+def main(cfg: StepConfig) -> dict:
     cuda = torch.cuda.is_available()
     cfg = cfg.resolved(cuda)
-    report = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=torch.cuda.get_device_name() if cuda
-                  else f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})",
+    report = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=torch.cuda.get_device_name() if cuda else machine(False),
                   torch=torch.__version__, threads=torch.get_num_threads(), config=dataclasses.asdict(cfg),
                   load_avg_before=list(os.getloadavg()))
     report["ceiling"] = device_peaks(cuda, cfg.matmul_size)
@@ -160,15 +151,15 @@ def measure(cfg: StepConfig) -> dict:
         if stem not in ("imagenet", "cifar"):
             raise UsageError(f"--stems takes imagenet and/or cifar, not {stem!r}")
         entry = bench_fast(cfg, stem, cuda)
-        if cfg.ray:
-            entry["ray"] = bench_ray(cfg, stem, cuda)
         entry["speedup_vs_baseline"] = entry["fast"]["images_per_s"] / report["baseline"]["images_per_s"]
         entry["fast_vs_compute"] = entry["fast"]["images_per_s"] / entry["compute"]["images_per_s"]
         if cfg.ray:
+            entry["ray"] = bench_ray(cfg, stem, cuda)
             entry["ray_vs_fast"] = entry["ray"]["images_per_s"] / entry["fast"]["images_per_s"]
         report[stem] = entry
     add_flop_shares(report, cuda)
     report["load_avg_after"] = list(os.getloadavg())
+    print(format_report(report))
     return report
 
 
@@ -180,11 +171,9 @@ def format_report(r: dict) -> str:
              f"{'GFLOP/s':>10}{'of peak':>9}"]
 
     def row(name, m):
-        gpu = f"{m['peak_gpu_mem_gib']:.2f}" if "peak_gpu_mem_gib" in m else "-"
-        share = "-" if m.get("flop_share") is None else f"{m['flop_share']:.1%}"
-        achieved = "-" if m.get("achieved_flops") is None else f"{m['achieved_flops'] / 1e9:,.1f}"
         lines.append(f"{name:<24}{m['batch']:>7}{m['images_per_s']:>11.1f}{m['data_share']:>11.0%}"
-                     f"{gpu:>14}{m['peak_host_mem_gib']:>15.2f}{achieved:>10}{share:>9}")
+                     f"{fmt(m.get('peak_gpu_mem_gib'), '.2f'):>14}{m['peak_host_mem_gib']:>15.2f}"
+                     f"{fmt(m.get('achieved_flops'), ',.1f', 1e-9):>10}{fmt(m.get('flop_share'), '.1%'):>9}")
 
     row("raw-DDP baseline (fp32, PIL)", r["baseline"])
     for stem in r["config"]["stems"].split(","):
@@ -199,9 +188,3 @@ def format_report(r: dict) -> str:
         lines.append(ratios)
     return "\n".join(lines)
 
-
-
-def main(cfg: StepConfig) -> dict:
-    report = measure(cfg)
-    print(format_report(report))
-    return report

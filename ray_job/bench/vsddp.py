@@ -10,7 +10,7 @@ Under torchrun the loops wrap DDP and a DistributedSampler themselves, exactly a
 helpers do; everything else is the same function (`run_loop`). Each run reports steady images/s
 (the timed steps after the warm-up ones), the time from launch to the first finished step, and
 each process's peak memory; the ratios are Ray/torchrun for the same loop and ours/the baseline's
-loop, with each run's share of the device's measured peak (ceiling.py).
+loop, with each run's share of the device's measured peak (common.py).
 
     python -m ray_job bench vs-ddp --workers 2
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 from typing import Optional
@@ -30,8 +29,8 @@ from ..config import MODELS, STEMS
 from ..core.errors import UsageError
 from ..core.flags import option
 from ..storage import read_json, write_json
-from .ceiling import _f, device_peaks, flop_share, flops_per_image, format_peaks
-from .common import BaselineRecipe, child_env, connect_ray, machine, tail, torchrun_cmd
+from .common import (BaselineRecipe, check_workers, connect_ray, device_peaks, flop_share, flops_per_image, fmt,
+                     format_peaks, machine, run_torchrun)
 from .loops import LOOPS, RunSpec, _ray_worker
 
 
@@ -58,65 +57,42 @@ class VsDdpConfig:
 LAUNCHERS = ("torchrun", "ray")
 
 
-def launch_torchrun(spec: RunSpec, workers: int, work: str, timeout: float) -> dict:
-    name = f"torchrun_{spec.loop}"
-    spec = dataclasses.replace(spec, out=os.path.join(work, f"{name}.json"))
-    write_json(os.path.join(work, f"{name}_spec.json"), dataclasses.asdict(spec))
-    log = os.path.join(work, f"{name}.log")
-    launched = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.run(torchrun_cmd(workers, "ray_job.bench.loops", os.path.join(work, f"{name}_spec.json")),
-                              stdout=f, stderr=subprocess.STDOUT, env=child_env(spec.threads), timeout=timeout)
-    if proc.returncode != 0 or not os.path.exists(spec.out):
-        raise RuntimeError(f"torchrun exited with {proc.returncode}; last lines of {log}:\n{tail(log)}")
-    result = read_json(spec.out)
-    result.update(launcher="torchrun", launch_to_first_step_s=result["first_step_time"] - launched,
-                  process_wall_s=time.time() - launched, log=log)
-    return result
-
-
-def launch_ray(spec: RunSpec, workers: int, work: str) -> dict:
+def launch(launcher: str, spec: RunSpec, workers: int, work: str, timeout: float) -> dict:
+    """One run under torchrun or Ray Train, with the time from its launch to its first finished step."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    resources = {"CPU": spec.threads, **({"GPU": 1} if spec.cuda else {})}
-    trainer = TorchTrainer(
-        _ray_worker, train_loop_config={"spec": dataclasses.asdict(spec)},
-        torch_config=TorchConfig(backend="nccl" if spec.cuda else "gloo"),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=spec.cuda, resources_per_worker=resources),
-        run_config=RunConfig(name=f"vsddp_{spec.loop}_{int(time.time())}", storage_path=os.path.join(work, "ray")))
-    launched = time.time()
-    result = trainer.fit().return_value
-    result.update(launcher="ray", launch_to_first_step_s=result["first_step_time"] - launched,
-                  process_wall_s=time.time() - launched)
+    extra = {}
+    if launcher == "torchrun":
+        name = os.path.join(work, f"torchrun_{spec.loop}")
+        spec = dataclasses.replace(spec, out=f"{name}.json")
+        write_json(f"{name}_spec.json", dataclasses.asdict(spec))
+        launched = time.time()
+        run_torchrun("torchrun", workers, ["ray_job.bench.loops", f"{name}_spec.json"], spec.threads,
+                     f"{name}.log", spec.out, timeout)
+        result, extra["log"] = read_json(spec.out), f"{name}.log"
+    else:
+        resources = {"CPU": spec.threads, **({"GPU": 1} if spec.cuda else {})}
+        trainer = TorchTrainer(
+            _ray_worker, train_loop_config={"spec": dataclasses.asdict(spec)},
+            torch_config=TorchConfig(backend="nccl" if spec.cuda else "gloo"),
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=spec.cuda, resources_per_worker=resources),
+            run_config=RunConfig(name=f"vsddp_{spec.loop}_{int(time.time())}", storage_path=os.path.join(work, "ray")))
+        launched = time.time()
+        result = trainer.fit().return_value
+    result.update(launcher=launcher, launch_to_first_step_s=result["first_step_time"] - launched,
+                  process_wall_s=time.time() - launched, **extra)
     return result
 
 
-def sizes(cfg, cuda: bool) -> dict:
-    """vs-ddp sizes: the baseline's global batch of 128 unless given; enough steps to be steady."""
-    stem = cfg.stem
-    if stem not in ("imagenet", "cifar"):
-        raise UsageError(f"--stems takes imagenet or cifar, not {stem!r}")
-    return dict(model=cfg.model, stem=stem, global_batch=cfg.batch_size or BaselineRecipe.batch,
-                steps=cfg.steps or (50 if cuda else 12), warmup=cfg.warmup or (10 if cuda else 2))
-
-
-def check_workers(workers: int, global_batch: int, cuda: bool) -> None:
-    if workers < 1:
-        raise UsageError("--workers must be at least 1")
-    if cuda and workers > torch.cuda.device_count():
-        raise UsageError(f"--workers {workers} needs {workers} GPUs (one per process); this machine has "
-                         f"{torch.cuda.device_count()}")
-    if global_batch < workers:
-        raise UsageError(f"--batch-size {global_batch} (global) is smaller than --workers {workers}")
-
-
-def measure_vs_ddp(cfg) -> dict:
+def main(cfg: VsDdpConfig) -> dict:
     """The four runs, the ceiling and the ratios, as one report."""
     from ..model.resnet import build_model
 
     cuda = torch.cuda.is_available()
-    size = sizes(cfg, cuda)
+    # the baseline's global batch of 128 unless given; enough steps to be steady
+    size = dict(model=cfg.model, stem=cfg.stem, global_batch=cfg.batch_size or BaselineRecipe.batch,
+                steps=cfg.steps or (50 if cuda else 12), warmup=cfg.warmup or (10 if cuda else 2))
     check_workers(cfg.workers, size["global_batch"], cuda)
     work = os.path.join(os.path.dirname(cfg.out), "bench_vs_ddp")
     os.makedirs(work, exist_ok=True)
@@ -139,8 +115,7 @@ def measure_vs_ddp(cfg) -> dict:
                 print(f"vs-ddp: {launcher} with {cfg.workers} process(es), {loop} loop (pass {rep + 1}/"
                       f"{cfg.repeats}) ...", flush=True)
                 try:
-                    run = (launch_torchrun(spec, cfg.workers, work, cfg.run_timeout_s) if launcher == "torchrun"
-                           else launch_ray(spec, cfg.workers, work))
+                    run = launch(launcher, spec, cfg.workers, work, cfg.run_timeout_s)
                 except Exception as e:  # keep the other runs' figures; the report says what failed
                     report["failed_passes"][f"{key}_pass{rep + 1}"] = f"{type(e).__name__}: {e}"[:2000]
                     print(f"vs-ddp: {key} failed: {e}", file=sys.stderr, flush=True)
@@ -156,18 +131,17 @@ def measure_vs_ddp(cfg) -> dict:
                         for key in (f"{lr}_{lp}" for lp in LOOPS for lr in LAUNCHERS) if key not in passes}
     report["load_avg"] = dict(before=list(load_before), after=list(os.getloadavg()))
     report["ratios"] = ratios(report["runs"])
+    print(format_vs_ddp(report))
     return report
 
 
-def _ratio(a: Optional[dict], b: Optional[dict], key: str = "images_per_s") -> Optional[float]:
-    return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
-
-
 def ratios(runs: dict) -> dict:
-    return dict(ray_vs_torchrun={loop: _ratio(runs.get(f"ray_{loop}"), runs.get(f"torchrun_{loop}"))
-                                 for loop in LOOPS},
-                ours_vs_baseline={launcher: _ratio(runs.get(f"{launcher}_ours"), runs.get(f"{launcher}_baseline"))
-                              for launcher in LAUNCHERS})
+    def ratio(a: str, b: str) -> Optional[float]:
+        a, b = runs.get(a, {}).get("images_per_s"), runs.get(b, {}).get("images_per_s")
+        return a / b if a and b else None
+
+    return dict(ray_vs_torchrun={loop: ratio(f"ray_{loop}", f"torchrun_{loop}") for loop in LOOPS},
+                ours_vs_baseline={lr: ratio(f"{lr}_ours", f"{lr}_baseline") for lr in LAUNCHERS})
 
 
 def format_vs_ddp(r: dict) -> str:
@@ -186,11 +160,11 @@ def format_vs_ddp(r: dict) -> str:
              f"{'other CPU':>10}{'faults/step':>12}{'sys CPU':>8}"]
     for run in r["runs"].values():
         lines.append(f"{run['launcher']:<10}{run['loop']:<6}{run['precision']:>6}{run['images_per_s']:>10.1f}"
-                     f"{_f(run['step_ms_median'], '.1f'):>9}{run['launch_to_first_step_s']:>20.1f}"
-                     f"{run['peak_host_mem_gib']:>20.2f}{_f(run['peak_gpu_mem_gib'], '.2f'):>19}"
-                     f"{_f(run['achieved_flops'], ',.1f', 1e-9):>10}{_f(run['flop_share'], '.1%'):>9}"
-                     f"{_f(run['other_cpu_share'], '.0%'):>10}{_f(run.get('page_faults_per_step'), ',.0f'):>12}"
-                     f"{_f(run.get('system_cpu_share'), '.0%'):>8}")
+                     f"{fmt(run['step_ms_median'], '.1f'):>9}{run['launch_to_first_step_s']:>20.1f}"
+                     f"{run['peak_host_mem_gib']:>20.2f}{fmt(run['peak_gpu_mem_gib'], '.2f'):>19}"
+                     f"{fmt(run['achieved_flops'], ',.1f', 1e-9):>10}{fmt(run['flop_share'], '.1%'):>9}"
+                     f"{fmt(run['other_cpu_share'], '.0%'):>10}{fmt(run.get('page_faults_per_step'), ',.0f'):>12}"
+                     f"{fmt(run.get('system_cpu_share'), '.0%'):>8}")
     lines.append("other CPU: share of the machine busy outside the training processes during the timed steps "
                  "(the launcher's own processes, plus anyone else's jobs); faults/step: minor page faults per "
                  "process and step; sys CPU: the kernel's share of the training processes' CPU time")
@@ -198,14 +172,8 @@ def format_vs_ddp(r: dict) -> str:
         lines.append(f"{key}: FAILED ({err.splitlines()[0][:150]})")
     rt = r["ratios"]
     lines.append("ray/torchrun (same loop): " + ", ".join(
-        f"{loop} loop {_f(v, '.1%')}" for loop, v in rt["ray_vs_torchrun"].items())
+        f"{loop} loop {fmt(v, '.1%')}" for loop, v in rt["ray_vs_torchrun"].items())
         + "   (target: within 3%)")
     lines.append("ours/the baseline's loop: " + ", ".join(
-        f"{launcher} {_f(v, '.2f')}x" for launcher, v in rt["ours_vs_baseline"].items()) + "   (target: >= 1)")
+        f"{launcher} {fmt(v, '.2f')}x" for launcher, v in rt["ours_vs_baseline"].items()) + "   (target: >= 1)")
     return "\n".join(lines)
-
-
-def main(cfg: VsDdpConfig) -> dict:
-    report = measure_vs_ddp(cfg)
-    print(format_vs_ddp(report))
-    return report
