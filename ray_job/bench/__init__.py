@@ -17,8 +17,8 @@ Each writes its report as strict JSON (--out) beside what it prints. The parts s
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
+import os
 
 from ..core.errors import UsageError
 
@@ -49,12 +49,8 @@ def main(argv: list[str]) -> int:
     parser = ArgumentParser(prog=f"python -m ray_job bench {argv[0]}", formatter_class=Formatter,
                             description=(module.__doc__ or "").split("\n\n")[0])
     add_dataclass_args(parser, cls)
-    cfg = cls(**vars(parser.parse_args(argv[1:])))
-    paths = {f.name: resolve_path(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-             if f.name in ("out", "src", "work", "data_dir")}
-    cfg = dataclasses.replace(cfg, **paths)
-    import os
-
+    args = vars(parser.parse_args(argv[1:]))
+    cfg = cls(**{k: resolve_path(v) if k in ("out", "src", "work", "data_dir") else v for k, v in args.items()})
     os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
     report = module.main(cfg)
     write_json(cfg.out, report)

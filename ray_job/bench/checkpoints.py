@@ -2,15 +2,13 @@
 
 One process trains this project's step (the fast path, as bench step) for --steps steps, three times
 per storage: without checkpoints, with a checkpoint every --every steps written synchronously (the
-step waits for serialisation, upload and check), and asynchronously (the default of `train`: the
-step waits only for a snapshot in host memory; the checkpointer of `train`, ray_job/train/
-checkpointer.py, uploads it in the background and it is reported once complete). It prints steady
-images/s of each against the run without checkpoints, the stall per checkpoint (the checkpoint
-step's time above the median step), the CPU time the writer spent per checkpoint (serialising,
-hashing, writing: what it takes from training where they share the cores), and the share of the
-machine busy outside this process meanwhile (an S3 server on the same machine, other jobs). A storage is a folder
-or s3://BUCKET/PREFIX (the AWS variables as for `train --storage-path`); each run's folder there is
-removed once measured.
+step waits for serialisation, upload and check), and asynchronously (`train`'s default: the step
+waits only for a snapshot in host memory; train/checkpointer.py uploads it in the background and
+reports it once complete). It prints steady images/s against the run without checkpoints, the stall
+per checkpoint (that step's time above the median step), the writer's CPU time per checkpoint
+(serialising, hashing, writing: what it takes from training where they share the cores), and the
+share of the machine busy outside this process meanwhile. A storage is a folder or s3://BUCKET/PREFIX
+(the AWS variables as for `train --storage-path`); each run's folder there is removed once measured.
 
     python -m ray_job bench checkpoints --model resnet50 --steps 60 --every 10
     python -m ray_job bench checkpoints --storage ./results/bench_ckpt,s3://bucket/bench
@@ -100,8 +98,7 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
     files.close()
     saved = [e for e in storage.read_jsonl(store.join("events.jsonl")) if e["event"] == "checkpoint_saved"]
     store.delete()  # each run's checkpoints (--steps / --every of them, model-sized) go with it
-    with_ckpt = set(marks)
-    plain = [t for i, t in enumerate(times) if i not in with_ckpt] or times
+    plain = [t for i, t in enumerate(times) if i not in marks] or times
     median = statistics.median(plain)
     stalls = [times[i] - median for i in marks]
     return dict(mode=mode, storage=where, steps=len(times), checkpoints=len(saved), reports=len(reports.calls),

@@ -171,11 +171,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int 
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     out = torch.empty_like(a)
     inner = 10 if device.type == "cuda" else 1
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     torch.mm(a, b, out=out)
     sync()
     best = float("inf")

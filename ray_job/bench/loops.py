@@ -60,11 +60,6 @@ class Placement:
 
         return wrap_ddp(model.to(self.device), self.device, self.world, **ddp)
 
-    def sampler(self, dataset) -> Optional[DistributedSampler]:
-        if self.ray or self.world == 1:
-            return None  # Ray's prepare_data_loader adds it
-        return DistributedSampler(dataset, num_replicas=self.world, rank=self.rank, shuffle=True)
-
     def wrap_loader(self, loader: DataLoader):
         if not self.ray:
             return loader
@@ -111,7 +106,8 @@ def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
     cfg = TrainConfig(model=spec.model, stem=spec.stem, batch_size=spec.global_batch, lr_ref_batch=spec.global_batch)
     model, optimizer = model_and_optimizer(cfg, spec.num_classes, speed, place.world, place.wrap_model)
     ds = ArrayDataset(split)
-    sampler = place.sampler(ds)
+    sampler = (None if place.ray or place.world == 1  # Ray's prepare_data_loader adds it
+               else DistributedSampler(ds, num_replicas=place.world, rank=place.rank, shuffle=True))
     loader = place.wrap_loader(DataLoader(ds, batch_size=per_rank, shuffle=sampler is None, sampler=sampler,
                                           drop_last=True, collate_fn=ds.collate_fn, pin_memory=cuda))
     steps = EpochSteps(model, optimizer, constant_scheduler(optimizer), nn.CrossEntropyLoss(),
@@ -154,13 +150,9 @@ def run_loop(spec: RunSpec, place: Placement) -> Optional[dict]:
     timed = epoch(1, spec.steps)
     busy1, (own1, sys1, faults1) = machine_busy_s(), own_usage()
     cuda = place.device.type == "cuda"
-    mine = dict(rank=place.rank, host=socket.gethostname(), count=timed.count, wall_s=timed.wall_s, steps=timed.steps,
-                step_s_median=statistics.median(timed.step_times) if timed.step_times else None,
-                split_s=dict(data=timed.data_s, fwd_bwd=timed.fwd_bwd_s, optim=timed.optim_s),
-                own_cpu_s=own1 - own0, machine_busy_s=None if busy0 is None else busy1 - busy0,
-                sys_cpu_s=sys1 - sys0, page_faults=faults1 - faults0,
-                main_thread=threading.current_thread() is threading.main_thread(),
-                first_step_time=warm.first_step_time, peak_host_mem_gib=peak_rss_gib(),
+    mine = dict(host=socket.gethostname(), count=timed.count, wall_s=timed.wall_s, own_cpu_s=own1 - own0,
+                machine_busy_s=None if busy0 is None else busy1 - busy0, sys_cpu_s=sys1 - sys0,
+                page_faults=faults1 - faults0, first_step_time=warm.first_step_time, peak_host_mem_gib=peak_rss_gib(),
                 peak_gpu_mem_gib=torch.cuda.max_memory_allocated(place.device) / 2**30 if cuda else None)
     everyone = [mine]
     if place.world > 1 and dist.is_initialized():
@@ -173,10 +165,12 @@ def run_loop(spec: RunSpec, place: Placement) -> Optional[dict]:
                 global_batch=per_rank * place.world, steps=timed.steps, warmup=spec.warmup,
                 precision="bf16" if bf16 else "fp32", threads_per_process=spec.threads,
                 images_per_s=sum(r["count"] for r in everyone) / max(r["wall_s"] for r in everyone),
-                step_ms_median=1000 * mine["step_s_median"] if mine["step_s_median"] else None,
+                step_ms_median=1000 * statistics.median(timed.step_times) if timed.step_times else None,
                 # rank 0's mean ms per step: waiting for data (+ its preprocessing), forward +
                 # backward (the baseline's loop: + optimizer step), optimizer step
-                split_ms={k: 1000 * v / max(timed.steps, 1) for k, v in mine["split_s"].items()},
+                split_ms={k: 1000 * v / max(timed.steps, 1) for k, v in (("data", timed.data_s),
+                                                                       ("fwd_bwd", timed.fwd_bwd_s),
+                                                                       ("optim", timed.optim_s))},
                 first_step_time=min(r["first_step_time"] for r in everyone),
                 peak_host_mem_gib=max(r["peak_host_mem_gib"] for r in everyone),
                 peak_host_mem_gib_per_process=[r["peak_host_mem_gib"] for r in everyone],
@@ -187,7 +181,7 @@ def run_loop(spec: RunSpec, place: Placement) -> Optional[dict]:
                 page_faults_per_step=sum(r["page_faults"] for r in everyone) / max(timed.steps * place.world, 1),
                 system_cpu_share=sum(r["sys_cpu_s"] for r in everyone) / max(sum(r["own_cpu_s"] for r in everyone),
                                                                              1e-9),
-                main_thread=mine["main_thread"])
+                main_thread=threading.current_thread() is threading.main_thread())
 
 
 def other_cpu_share(rank0: dict, everyone: list[dict]) -> Optional[float]:

@@ -101,8 +101,8 @@ def race_ours(cfg: RaceConfig, work: str, threads: int, data_args: list[str]) ->
     name = f"race_ours_{time.strftime('%Y%m%d_%H%M%S')}"
     argv = ["--recipe", "fast", "--model", cfg.model, "--stem", cfg.stem, *data_args,
             "--num-workers", str(cfg.workers), "--cpus-per-worker", str(threads), "--storage-path", work,
-            "--name", name, "--log-every", "0",
-            "--max-failures", "0", "--keep-checkpoints", "1", *shlex.split(cfg.ours_flags)]
+            "--name", name, "--log-every", "0", "--max-failures", "0", "--keep-checkpoints", "1",
+            *shlex.split(cfg.ours_flags)]
     train_cfg = parse_train_args(argv)
     if cfg.eval_every_images:
         steps = max(1, cfg.eval_every_images // train_cfg.global_batch(cfg.workers))

@@ -18,6 +18,7 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Any
 
 from ..config import MODELS, TrainConfig
 from ..core.errors import UsageError
@@ -49,10 +50,10 @@ def epoch_row(epoch: int, epochs: int) -> dict:
                         peak_host_mem_gib=3.1, grad_bytes=94_000_000, steady_images_per_s=910.0).to_dict()
 
 
-def timed(fn) -> float:
+def timed(fn, *args) -> tuple[float, Any]:
     started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+    result = fn(*args)
+    return time.perf_counter() - started, result
 
 
 def main(cfg: TrackingBenchConfig) -> dict:
@@ -65,15 +66,13 @@ def main(cfg: TrackingBenchConfig) -> dict:
         run = TrainConfig(data="synthetic", model=cfg.model, storage_path=tmp, name="bench", num_workers=2,
                           epochs=cfg.epochs, mlflow=True, mlflow_uri=cfg.mlflow_uri,
                           mlflow_experiment="ray_job-bench")
-        box: dict = {}
-        preflight = timed(lambda: box.setdefault("cfg", tracking.check(run)))
-        run = box["cfg"]
-        start = timed(lambda: box.setdefault("t", tracked.start(run)))
-        logger = EpochLogger(box["t"].run.settings, box["t"].run_id)
-        per_epoch = [timed(lambda e=e: logger.after_report(None, [epoch_row(e, cfg.epochs)] * 2, None))
+        preflight, run = timed(tracking.check, run)
+        start, started = timed(tracked.start, run)
+        logger = EpochLogger(started.run.settings, started.run_id)
+        per_epoch = [timed(logger.after_report, None, [epoch_row(e, cfg.epochs)] * 2, None)[0]
                      for e in range(1, cfg.epochs + 1)]
         write_run_files(run, at)
-        end = timed(lambda: box["t"].finish(0))
+        end, _ = timed(started.finish, 0)
     report = dict(kind="tracking", date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=machine(False),
                   store=run.mlflow_uri if cfg.mlflow_uri else "sqlite:///<tmp>/mlflow.db (local default)",
                   config=dataclasses.asdict(cfg), preflight_s=preflight, start_s=start,

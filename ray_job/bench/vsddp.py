@@ -99,7 +99,7 @@ def main(cfg: VsDdpConfig) -> dict:
     cluster_s, threads = connect_ray(cfg.workers, cuda)
     load_before = os.getloadavg()
     peaks = device_peaks(cuda, cfg.matmul_size)
-    flops = flops_per_image(build_model(size["model"], size["stem"], 10))
+    flops = flops_per_image(build_model(cfg.model, cfg.stem, 10))
     report = dict(kind="vs_ddp", date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=machine(cuda),
                   torch=torch.__version__, workers=cfg.workers, threads_per_process=threads, **size,
                   repeats=cfg.repeats, ceiling=peaks, flops_per_image=flops, ray_cluster_start_s=cluster_s,
@@ -108,8 +108,7 @@ def main(cfg: VsDdpConfig) -> dict:
     passes: dict[str, list] = {}
     for rep in range(cfg.repeats):
         for loop in LOOPS:  # interleaved, so that a change of machine load hits both launchers alike
-            spec = RunSpec(loop=loop, model=size["model"], stem=size["stem"], global_batch=size["global_batch"],
-                           steps=size["steps"], warmup=size["warmup"], threads=threads, cuda=cuda)
+            spec = RunSpec(loop=loop, **size, threads=threads, cuda=cuda)
             for launcher in LAUNCHERS:
                 key = f"{launcher}_{loop}"
                 print(f"vs-ddp: {launcher} with {cfg.workers} process(es), {loop} loop (pass {rep + 1}/"
