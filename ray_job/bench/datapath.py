@@ -102,7 +102,7 @@ def time_loader(ds, batch: int, workers: int, device_crop: bool, max_images: int
 
 
 def source_folder(src: str, work: str, images: int) -> str:
-    """The image folder to measure: --data-src, or generated CIFAR-shaped PNGs under `work`."""
+    """The image folder to measure: --data-src, or generated CIFAR-shaped JPEGs under `work`."""
     if src:
         return src
     from PIL import Image
