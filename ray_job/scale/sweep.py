@@ -113,20 +113,15 @@ def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int, par
         return {**row, "status": "preempted", "reason": "stopped on request; rerun to measure it"}
     if rc != 0:
         return {**row, "status": "failed", "reason": f"train exited with {rc}; see {point.run_dir()}"}
-    return {**row, **measurements(point)}
-
-
-def measurements(point: TrainConfig) -> dict:
-    """The timing columns of one finished run, from its summary.json (last epoch's metrics)."""
-    summary = read_json(storage.at(point.run_dir()).join(SUMMARY_JSON))
+    summary = read_json(storage.at(point.run_dir()).join(SUMMARY_JSON))  # the timings: its last epoch's
     if summary.get("final") is None:
-        return dict(status="failed", reason=f"{point.run_dir()}/{SUMMARY_JSON} has no finished epoch")
+        return {**row, "status": "failed", "reason": f"{point.run_dir()}/{SUMMARY_JSON} has no finished epoch"}
     m = EpochMetrics.from_dict(summary["final"])
     steps = max(m.steps, 1)
     comm = m.comm_wait_s_per_step or 0.0
     steady = m.steady_images_per_s or m.images_per_s
     gb = point.global_batch(point.num_workers)
-    return dict(global_batch=gb, per_worker_batch=point.per_worker_batch(point.num_workers),
+    return dict(row, global_batch=gb, per_worker_batch=point.per_worker_batch(point.num_workers),
                 steps=m.steps, wall_s=summary["wall_s"],
                 time_to_first_step_s=summary["time_to_first_step_s"], train_s=m.train_s,
                 images_per_s=m.images_per_s, steady_images_per_s=steady, step_s=gb / steady,

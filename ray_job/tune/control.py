@@ -43,6 +43,7 @@ from ..storage.lease import STALE_S, Lease
 from ..train import stop
 from ..train.runfiles import METRICS_JSONL
 from ..train.runlog import read_metrics
+from .options import values_text
 from .trial import EARLY_STOP_FILE, FINISHED, REPLAYED, STOPPED_EARLY, read_summary, status_of, trial_dirname
 
 log = logging.getLogger("ray_job.tune")
@@ -123,10 +124,6 @@ def active() -> SearchControl:
     if ACTIVE is None:
         raise RuntimeError("no search is running in this process")
     return ACTIVE
-
-
-def values_text(config: dict) -> str:
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in config.items())
 
 
 class SearchProgress(Callback):

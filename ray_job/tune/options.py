@@ -159,6 +159,10 @@ def check_against(dists: tuple[Dist, ...], base: TrainConfig, world_sizes: set[i
                 raise UsageError(f"--space {d.text}: with {d.name}={_num(value)}: {e}") from None
 
 
+def values_text(config: dict) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in config.items())
+
+
 def trial_config(base: TrainConfig, values: dict[str, Any]) -> TrainConfig:
     """The fixed flags with a trial's sampled values put in (numbers of the field's own type)."""
     kinds = searchable_fields()

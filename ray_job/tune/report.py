@@ -20,6 +20,7 @@ from ..core.flags import flag_name
 from ..storage import StorageError
 from ..train.runfiles import CONFIG_JSON, METRICS_JSONL
 from ..train.runlog import csv_text, read_metrics
+from .options import Search, values_text
 from .trial import STOPPED_EARLY, TRIAL_PREFIX, read_summary, status_of
 
 OUTPUTS = ("tune.csv", "tune.md", "tune.png")
@@ -116,8 +117,22 @@ def markdown(meta: dict, rows: list[dict], names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(search_dir: storage.Location, meta: dict, rows: list[dict], names: list[str]) -> str:
-    """tune.csv, tune.md and tune.png in the search folder; returns the Markdown."""
+def write_report(search: Search, search_dir: storage.Location, meta: dict, errors: dict[str, str]) -> list[dict]:
+    """tune.csv, tune.md and tune.png in the search folder, from its trials' run folders; the rows."""
+    names = [d.name for d in search.space]
+    o = search.opts
+    rows = collect(search_dir, names, o.metric, o.direction, errors)
+    epochs_run = sum(r["epochs"] for r in rows)
+    full = o.num_samples * search.base.epochs
+    meta["budget"] = (f"Trial-epochs run: {epochs_run} of {o.num_samples} x {search.base.epochs} = {full} "
+                      f"without early stopping; {sum(r['stopped_early'] for r in rows)} trial(s) stopped early, "
+                      f"{len(rows)} of {o.num_samples} started.")
+    best = (max if o.direction == "max" else min)((r for r in rows if r["best_metric"] is not None),
+                                                  key=lambda r: r["best_metric"], default=None)
+    if best is not None:
+        command = train_command(best["config"], search_dir.uri, best["trial"])
+        meta["best"] = (f"Best: {best['trial']} ({values_text({n: best[n] for n in names})}), {o.metric} "
+                        f"{best['best_metric']:.4f}. Continue it (more --epochs extend it):\n\n    {command}")
     csv_file, md_file, png_file = (search_dir.join(n) for n in OUTPUTS)
     csv_file.write_text(csv_text(rows, ["trial", *names, *COLUMNS[1:], "run_dir"]))
     table = markdown(meta, rows, names)
@@ -125,7 +140,9 @@ def write_outputs(search_dir: storage.Location, meta: dict, rows: list[dict], na
     png = io.BytesIO()
     plot(meta, rows, names, png)
     png_file.write_bytes(png.getvalue())
-    return table
+    print(table, flush=True)
+    print(f"search results: {search_dir.uri}/{{{','.join(OUTPUTS)}}}", flush=True)
+    return rows
 
 
 def plot(meta: dict, rows: list[dict], names: list[str], out: Any) -> None:

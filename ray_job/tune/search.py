@@ -28,7 +28,7 @@ from ..train import tracked
 from ..train.driver import check_sizes, open_folder, preflight
 from ..train.trainer import connect, resolve_workers, worker_size, workers_that_fit
 from . import control, report
-from .control import EpochASHA, SearchProgress, values_text
+from .control import EpochASHA, SearchProgress
 from .options import Search, check_against
 from .trial import TrialSetup, run_trial, trial_dirname
 
@@ -82,7 +82,7 @@ def searched(search: Search, search_dir: storage.Location, record: dict, live: c
     except KeyboardInterrupt:
         print(f"tune: aborted by a second {live.signals.reason}; the trials resume from their last "
               f"checkpoints when the same command runs again", flush=True)
-    rows = write_report(search, search_dir, meta, errors)
+    rows = report.write_report(search, search_dir, meta, errors)
     if live.stop_requested():
         print("search stopped on request; run the same command (same --name) to continue it: finished "
               "and early-stopped trials are kept, the others resume from their checkpoints", flush=True)
@@ -200,25 +200,3 @@ def trial_errors(grid: Any) -> dict[str, str]:
             lines = [ln for ln in str(result.error).splitlines() if ln.strip()]
             errors[name] = (lines[-1] if lines else type(result.error).__name__)[:300]
     return errors
-
-
-def write_report(search: Search, search_dir: storage.Location, meta: dict, errors: dict[str, str]) -> list[dict]:
-    names = [d.name for d in search.space]
-    o = search.opts
-    rows = report.collect(search_dir, names, o.metric, o.direction, errors)
-    epochs_run = sum(r["epochs"] for r in rows)
-    full = o.num_samples * search.base.epochs
-    meta["budget"] = (f"Trial-epochs run: {epochs_run} of {o.num_samples} x {search.base.epochs} = {full} "
-                      f"without early stopping; {sum(r['stopped_early'] for r in rows)} trial(s) stopped early, "
-                      f"{len(rows)} of {o.num_samples} started.")
-    best = (max if o.direction == "max" else min)((r for r in rows if r["best_metric"] is not None),
-                                                  key=lambda r: r["best_metric"], default=None)
-    if best is not None:
-        command = report.train_command(best["config"], search_dir.uri, best["trial"])
-        meta["best"] = (f"Best: {best['trial']} ({values_text({n: best[n] for n in names})}), {o.metric} "
-                        f"{best['best_metric']:.4f}. Continue it (more --epochs extend it):\n\n    {command}")
-    table = report.write_outputs(search_dir, meta, rows, names)
-    print(table, flush=True)
-    print(f"search results: {search_dir.uri}/{{{','.join(report.OUTPUTS)}}}", flush=True)
-    return rows
-
