@@ -16,7 +16,8 @@ from ray_job.train import stop
 from ray_job.core.errors import UsageError
 from ray_job.core.exits import ExitCode
 from ray_job.model.resnet import build_model, gradient_bytes
-from ray_job.scale import COLUMNS, main, measure_all, parse_args
+from ray_job.scale import COLUMNS, main, parse_args
+from ray_job.scale.sweep import measure_all
 from ray_job.scale.report import write_outputs
 
 pytestmark = pytest.mark.timeout(600)

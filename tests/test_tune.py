@@ -18,9 +18,8 @@ import pytest
 from conftest import TINY, Running, events, one_error_line, run_cli, strict_file, user_env
 from ray_job.config import build_train_parser, config_from_args
 from ray_job.core.errors import UsageError
-from ray_job.tune.options import parse_args
+from ray_job.tune.options import parse_args, parse_dist, parse_space
 from ray_job.tune.report import train_command
-from ray_job.tune.space import parse_dist, parse_space
 from ray_job.tune.trial import EpochResults
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -130,7 +129,7 @@ def test_the_end_lines_the_counts_and_the_table_say_what_the_trials_did(tmp_path
 
     from ray_job import storage
     from ray_job.tune import report
-    from ray_job.tune.progress import SearchProgress
+    from ray_job.tune.control import SearchProgress
     from ray_job.tune.trial import EARLY_STOPPED
 
     search = tmp_path / "search"
@@ -143,7 +142,7 @@ def test_the_end_lines_the_counts_and_the_table_say_what_the_trials_did(tmp_path
         (folder / "summary.json").write_text(json.dumps({**summary, "epochs": 2}))
         (folder / "config.json").write_text(json.dumps({"lr": 0.1}))
         if n:
-            (folder / ".early_stop").write_text("1")  # ASHA's request (scheduler.py)
+            (folder / ".early_stop").write_text("1")  # ASHA's request (control.py)
         trials.append(SimpleNamespace(experiment_tag=f"{n}_lr=0.1", status="TERMINATED", config={"lr": 0.1},
                                       last_result={"epoch": summary["epochs_completed"]}, metric_analysis={}))
     progress = SearchProgress("test_acc", "max", 2, 3, str(search))

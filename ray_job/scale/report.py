@@ -14,21 +14,26 @@ from typing import Any, Optional
 from .. import storage
 from ..storage import write_json
 from ..train.runlog import csv_text
-from .common import COLUMN_HELP, COLUMNS, SCALING_CSV, SCALING_JSON, SCALING_MD, SCALING_PNG
+from . import COLUMN_HELP, COLUMNS, OUTPUTS
+
+HEAD = ["mode", "N", "global batch", "steps", "train s", "wall s", "1st step s", "img/s", "step ms",
+        "data ms", "compute ms", "comm wait ms", "optim ms", "speedup", "efficiency"]
+STEP_SPLIT = {"data_s_per_step": "data", "compute_s_per_step": "forward+backward",
+              "comm_wait_s_per_step": "all-reduce wait", "optim_s_per_step": "optimizer"}
 
 
 def write_outputs(sweep: dict) -> str:
     """Writes the four files into sweep["sweep_dir"] (a folder or object storage); returns the
     Markdown table."""
-    d = storage.at(sweep["sweep_dir"])
-    write_json(d.join(SCALING_JSON), {**sweep, "columns": COLUMN_HELP})
-    rows = [{k: None if _missing(r.get(k)) else r[k] for k in COLUMNS} for r in sweep["rows"]]
-    d.join(SCALING_CSV).write_text(csv_text(rows, list(COLUMNS)))
+    csv_file, json_file, md_file, png_file = (storage.at(sweep["sweep_dir"]).join(n) for n in OUTPUTS)
+    write_json(json_file, {**sweep, "columns": COLUMN_HELP})
+    csv_file.write_text(csv_text([{k: None if _missing(r.get(k)) else r[k] for k in COLUMNS} for r in sweep["rows"]],
+                                 list(COLUMNS)))
     table = markdown(sweep)
-    d.join(SCALING_MD).write_text(table + "\n")
+    md_file.write_text(table + "\n")
     png = io.BytesIO()
     plot(sweep, png)
-    d.join(SCALING_PNG).write_bytes(png.getvalue())
+    png_file.write_bytes(png.getvalue())
     return table
 
 
@@ -40,42 +45,24 @@ def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
     return "" if _missing(value) else format(value * scale, spec)
 
 
-def _ms(value: Optional[float]) -> str:
-    return _fmt(value, ".1f", 1e3)
-
-
-def load_text(cluster: dict) -> str:
-    load = cluster.get("driver_host_load_1min") or [None, None]
-    return f"{_fmt(load[0], '.1f') or '?'} at start, {_fmt(load[1], '.1f') or '?'} at end"
-
-
-HEAD = ["mode", "N", "global batch", "steps", "train s", "wall s", "1st step s", "img/s", "step ms",
-        "data ms", "compute ms", "comm wait ms", "optim ms", "speedup", "efficiency"]
-
-
-def table_cells(r: dict) -> list[str]:
-    """One ok row's cells, in HEAD's order."""
-    return [r["mode"], str(r["workers"]), str(r["global_batch"]), str(r["steps"]),
-            _fmt(r["train_s"], ".1f"), _fmt(r["wall_s"], ".1f"), _fmt(r["time_to_first_step_s"], ".1f"),
-            _fmt(r["steady_images_per_s"], ".0f"), _ms(r["step_s"]), _ms(r["data_s_per_step"]),
-            _ms(r["compute_s_per_step"]), _ms(r["comm_wait_s_per_step"]), _ms(r["optim_s_per_step"]),
-            _fmt(r["speedup"], ".2f"), _fmt(r["efficiency"], ".2f")]
-
-
 def markdown(sweep: dict) -> str:
     cl = sweep["cluster"]
+    load = cl.get("driver_host_load_1min") or [None, None]
     lines = [f"# Scaling sweep `{sweep['sweep']}`", "",
-             f"{sweep['date']} on {sweep['host']} ({cl['nodes']} node(s), {cl['cpus']:g} CPUs, "
-             f"{cl['gpus']:g} GPUs; driver host load {load_text(cl)})  ", f"`{sweep['command']}`", "",
-             "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+             f"{sweep['date']} on {sweep['host']} ({cl['nodes']} node(s), {cl['cpus']:g} CPUs, {cl['gpus']:g} GPUs; "
+             f"driver host load {_fmt(load[0], '.1f') or '?'} at start, {_fmt(load[1], '.1f') or '?'} at end)  ",
+             f"`{sweep['command']}`", "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     for r in sweep["rows"]:
         if r["status"] != "ok":
             lines.append(f"| {r['mode']} | {r['workers']} | {r['status']} |" + " |" * (len(HEAD) - 3))
-        else:
-            lines.append("| " + " | ".join(table_cells(r)) + " |")
-    for r in sweep["rows"]:
-        if r["status"] != "ok":
-            lines.append(f"\n{r['mode']} {r['workers']} worker(s) {r['status']}: {r['reason']}")
+            continue
+        cells = [r["mode"], str(r["workers"]), str(r["global_batch"]), str(r["steps"]),
+                 *(_fmt(r[k], ".1f") for k in ("train_s", "wall_s", "time_to_first_step_s")),
+                 _fmt(r["steady_images_per_s"], ".0f"), *(_fmt(r[k], ".1f", 1e3) for k in ("step_s", *STEP_SPLIT)),
+                 _fmt(r["speedup"], ".2f"), _fmt(r["efficiency"], ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [f"\n{r['mode']} {r['workers']} worker(s) {r['status']}: {r['reason']}"
+              for r in sweep["rows"] if r["status"] != "ok"]
     lines += ["", "Speedup = steady img/s / 1 worker's (same mode); efficiency = speedup / N. Step "
               "split: mean ms per step on rank 0; comm wait = DDP backward with minus without "
               "gradient sync. Empty cells: not measured."]
@@ -112,22 +99,16 @@ def plot(sweep: dict, path: Any) -> None:
         ax.set_xticks(sorted({r["workers"] for r in rows}))
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    split_bars(ax_s, rows)
+    labels = [f"{r['mode'][0]}{r['workers']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for key, name in STEP_SPLIT.items():
+        values = [0.0 if _missing(r.get(key)) else r[key] * 1e3 for r in rows]
+        ax_s.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax_s.set(ylabel="ms per step (mean, rank 0)", title="where a step goes (s=strong, w=weak; N)")
+    if rows:
+        ax_s.legend(fontsize=8)
     fig.suptitle(f"{sweep['sweep']} ({sweep['date']}, {sweep['host']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
-
-
-def split_bars(ax, rows: list[dict]) -> None:
-    parts = [("data_s_per_step", "data"), ("compute_s_per_step", "forward+backward"),
-             ("comm_wait_s_per_step", "all-reduce wait"), ("optim_s_per_step", "optimizer")]
-    labels = [f"{r['mode'][0]}{r['workers']}" for r in rows]
-    bottom = [0.0] * len(rows)
-    for key, name in parts:
-        values = [0.0 if _missing(r.get(key)) else r[key] * 1e3 for r in rows]
-        ax.bar(labels, values, bottom=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set(ylabel="ms per step (mean, rank 0)", title="where a step goes (s=strong, w=weak; N)")
-    if rows:
-        ax.legend(fontsize=8)

@@ -1,12 +1,10 @@
 """The sweep on a Ray cluster: one real `train` run per (mode, worker count), then the report.
 
 Each point is a run in <sweep>/<mode>_w<N>/ (the 1-worker run, w1, is shared: strong and weak are the
-same job there), run by `train`'s own run_training. A finished point is reused when the same sweep
-runs again (a requeued SLURM job, or the same command: its default name is the same); a count the
-cluster cannot hold is a `skipped` row with the reason.
-
-The train flags of every point: `point_config` (the sweep's config with the point's folder, worker
-count and batch rule); the fixed amount of work per point is scale/common.py's SCALE_DEFAULTS.
+same job there), run by `train`'s own run_training with the sweep's config, the point's folder, worker
+count and batch rule. A finished point is reused when the same sweep runs again (a requeued SLURM job,
+or the same command: its default name is the same); a count the cluster cannot hold is a `skipped`
+row with the reason.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from ..train.driver import make_way, open_folder, preflight, run_training
 from ..train.metrics import EpochMetrics
 from ..train.runfiles import SUMMARY_JSON
 from ..train.trainer import connect
-from .common import COLUMNS, MODES, SCALING_CSV, SCALING_JSON, SCALING_MD, SCALING_PNG, ScaleOptions
+from . import COLUMNS, MODES, OUTPUTS, ScaleOptions
 from .report import write_outputs
 
 log = logging.getLogger("ray_job.scale")
@@ -40,37 +38,29 @@ def run_sweep(opts: ScaleOptions, cfg: TrainConfig, argv: list[str]) -> int:
     cfg = preflight(cfg)  # paths resolved and storage checked before any point config is built
     sweep_dir = open_folder(cfg.run_dir()).uri  # without a requeued sweep's stop request
     with stop.stop_on_signals(sweep_dir) as signals:  # USR1 (SLURM's time limit), Ctrl-C, SIGTERM
-        return sweep_points(opts, cfg, argv, sweep_dir, signals)
-
-
-def sweep_points(opts: ScaleOptions, cfg: TrainConfig, argv: list[str], sweep_dir: str,
-                 signals: stop.Signals) -> int:
-    connect(cfg)
-    cluster = cluster_info()
-    cfg = dataclasses.replace(cfg, use_gpu=choose_use_gpu(cfg.use_gpu, cluster["gpus"]))
-    load_before = os.getloadavg()[0]
-    parent = tracked.open_parent(cfg, sweep_dir, "scale sweep", {**cfg.to_dict(), **dataclasses.asdict(opts)})
-    rows = measure_all(cfg, sweep_dir, opts.modes, opts.counts, parent.run_id if parent else None)
-    # Other jobs on the driver's host skew the timings: keep the load beside them.
-    cluster["driver_host_load_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-    add_speedups(rows)
-    sweep = dict(sweep=cfg.name, sweep_dir=sweep_dir, date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
-                 command="python -m ray_job scale " + shlex.join(argv), host=platform.node(),
-                 cluster=cluster, config=cfg.to_dict(), rows=rows)
-    print(write_outputs(sweep))
-    print(f"scaling results: {sweep_dir}/{{{SCALING_CSV},{SCALING_JSON},{SCALING_MD},{SCALING_PNG}}}")
-    rc = exit_code(rows, signals)
-    tracked.finish_parent(parent, sweep_dir, (SCALING_CSV, SCALING_JSON, SCALING_MD, SCALING_PNG), rc)
-    return rc
-
-
-def exit_code(rows: list[dict], signals: stop.Signals) -> int:
-    statuses = {r["status"] for r in rows}
-    if statuses & {"preempted", "not run"}:
-        print("sweep stopped on request; run the same command (same --name) to finish it: finished "
-              "points are reused")
-        return signals.exit_code
-    return ExitCode.FAILED if "failed" in statuses else ExitCode.DONE
+        connect(cfg)
+        cluster = cluster_info()
+        cfg = dataclasses.replace(cfg, use_gpu=choose_use_gpu(cfg.use_gpu, cluster["gpus"]))
+        load_before = os.getloadavg()[0]
+        parent = tracked.open_parent(cfg, sweep_dir, "scale sweep", {**cfg.to_dict(), **dataclasses.asdict(opts)})
+        rows = measure_all(cfg, sweep_dir, opts.modes, opts.counts, parent.run_id if parent else None)
+        # Other jobs on the driver's host skew the timings: keep the load beside them.
+        cluster["driver_host_load_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+        add_speedups(rows)
+        sweep = dict(sweep=cfg.name, sweep_dir=sweep_dir, date=time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                     command="python -m ray_job scale " + shlex.join(argv), host=platform.node(),
+                     cluster=cluster, config=cfg.to_dict(), rows=rows)
+        print(write_outputs(sweep))
+        print(f"scaling results: {sweep_dir}/{{{','.join(OUTPUTS)}}}")
+        statuses = {r["status"] for r in rows}
+        if statuses & {"preempted", "not run"}:
+            print("sweep stopped on request; run the same command (same --name) to finish it: finished "
+                  "points are reused")
+            rc = signals.exit_code
+        else:
+            rc = ExitCode.FAILED if "failed" in statuses else ExitCode.DONE
+        tracked.finish_parent(parent, sweep_dir, OUTPUTS, rc)
+        return rc
 
 
 def measure_all(cfg: TrainConfig, sweep_dir: str, modes: list[str], counts: list[int],
@@ -96,23 +86,16 @@ def measure_all(cfg: TrainConfig, sweep_dir: str, modes: list[str], counts: list
 def cluster_info() -> dict:
     import ray
 
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
     res = ray.cluster_resources()
-    return dict(nodes=len(nodes), cpus=res.get("CPU", 0), gpus=res.get("GPU", 0))
+    return dict(nodes=sum(1 for n in ray.nodes() if n.get("Alive")), cpus=res.get("CPU", 0), gpus=res.get("GPU", 0))
 
 
-def point_config(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int) -> TrainConfig:
-    if workers == 1:  # the same job in every mode, so any later sweep of either mode reuses it
-        return dataclasses.replace(cfg, storage_path=sweep_dir, num_workers=1, name="w1",
-                                   batch_mode="global")
-    return dataclasses.replace(cfg, storage_path=sweep_dir, num_workers=workers,
-                               name=f"{mode}_w{workers}", batch_mode=MODES[mode])
-
-
-def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int,
-                  parent_id: Optional[str] = None) -> dict:
+def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int, parent_id: Optional[str]) -> dict:
     """Runs one point; a count that cannot run is a row with status skipped/failed and the reason."""
-    point = point_config(cfg, sweep_dir, mode, workers)
+    # w1 is the same job in every mode, so any later sweep of either mode reuses it
+    point = dataclasses.replace(cfg, storage_path=sweep_dir, num_workers=workers,
+                                name="w1" if workers == 1 else f"{mode}_w{workers}",
+                                batch_mode="global" if workers == 1 else MODES[mode])
     row: dict[str, Any] = dict(mode=mode, workers=workers, status="ok", reason="", run=point.name)
     # an unfinished point is run again from its start: resumed, it would time only part of the work
     if make_way(point, resume=False, refuse_other=True):
@@ -130,20 +113,15 @@ def measure_point(cfg: TrainConfig, sweep_dir: str, mode: str, workers: int,
         return {**row, "status": "preempted", "reason": "stopped on request; rerun to measure it"}
     if rc != 0:
         return {**row, "status": "failed", "reason": f"train exited with {rc}; see {point.run_dir()}"}
-    return {**row, **measurements(point)}
-
-
-def measurements(point: TrainConfig) -> dict:
-    """The timing columns of one finished run, from its summary.json (last epoch's metrics)."""
-    summary = read_json(storage.at(point.run_dir()).join(SUMMARY_JSON))
+    summary = read_json(storage.at(point.run_dir()).join(SUMMARY_JSON))  # the timings: its last epoch's
     if summary.get("final") is None:
-        return dict(status="failed", reason=f"{point.run_dir()}/{SUMMARY_JSON} has no finished epoch")
+        return {**row, "status": "failed", "reason": f"{point.run_dir()}/{SUMMARY_JSON} has no finished epoch"}
     m = EpochMetrics.from_dict(summary["final"])
     steps = max(m.steps, 1)
     comm = m.comm_wait_s_per_step or 0.0
     steady = m.steady_images_per_s or m.images_per_s
     gb = point.global_batch(point.num_workers)
-    return dict(global_batch=gb, per_worker_batch=point.per_worker_batch(point.num_workers),
+    return dict(row, global_batch=gb, per_worker_batch=point.per_worker_batch(point.num_workers),
                 steps=m.steps, wall_s=summary["wall_s"],
                 time_to_first_step_s=summary["time_to_first_step_s"], train_s=m.train_s,
                 images_per_s=m.images_per_s, steady_images_per_s=steady, step_s=gb / steady,

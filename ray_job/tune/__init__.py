@@ -6,12 +6,9 @@ requests and requeues.
     sbatch slurm_ray_start.sh tune --space lr=loguniform:0.01:1 --num-samples 16
 
 The parts, each importing only those listed before it:
-  space     --space NAME=DIST: parsing and checks against the train config (no Ray)
-  options   TuneOptions, the parser, Search (what a search is; search.json's record)
+  options   TuneOptions, the parser, the space (--space NAME=DIST), Search; no Ray
   trial     the trial function (a `train` run in Tune's trial actor), epoch results to Tune
-  scheduler ASHA on epoch results, whose stop is a stop request (a checkpoint, then the end)
-  control   stop requests: trials checkpoint and park, then Tune saves its state and ends
-  progress  the progress lines (a Tune callback), and the hook into control
+  control   on the driver: progress lines, ASHA whose stop is a stop request, the search's stop
   report    tune.csv / tune.md / tune.png and the best trial's `train` command, from the run folders
   search    the driver: checks, Tuner (new or restored), report, exit code
 """

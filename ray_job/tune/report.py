@@ -20,9 +20,10 @@ from ..core.flags import flag_name
 from ..storage import StorageError
 from ..train.runfiles import CONFIG_JSON, METRICS_JSONL
 from ..train.runlog import csv_text, read_metrics
+from .options import Search, values_text
 from .trial import STOPPED_EARLY, TRIAL_PREFIX, read_summary, status_of
 
-TUNE_CSV, TUNE_MD, TUNE_PNG = "tune.csv", "tune.md", "tune.png"
+OUTPUTS = ("tune.csv", "tune.md", "tune.png")
 COLUMNS = ["trial", "status", "epochs", "best_test_acc", "last_test_acc", "best_metric", "wall_s",
            "train_s", "time_to_first_step_s", "stopped_early", "error"]
 # Fields a `train` command never repeats: where it joins, how it prints; the run's place is added.
@@ -39,17 +40,10 @@ def trial_folders(search_dir: storage.Location) -> list[storage.Location]:
     return [search_dir.join(n) for n in sorted(names) if n.startswith(TRIAL_PREFIX) and n[len(TRIAL_PREFIX):].isdigit()]
 
 
-def _read(folder: storage.Location, name: str) -> Optional[dict]:
-    try:
-        return storage.read_json(folder.join(name))
-    except (FileNotFoundError, StorageError, ValueError):
-        return None
-
-
 def trial_row(folder: storage.Location, names: list[str], metric: str, mode: str,
               errors: dict[str, str]) -> Optional[dict]:
     """One trial's row and its curve (seconds in epochs, test accuracy), from its folder."""
-    cfg = _read(folder, CONFIG_JSON)
+    cfg = read_summary(folder, CONFIG_JSON)
     if cfg is None:
         return None
     summary = read_summary(folder)
@@ -57,14 +51,13 @@ def trial_row(folder: storage.Location, names: list[str], metric: str, mode: str
         epochs = read_metrics(folder.join(METRICS_JSONL))
     except (FileNotFoundError, StorageError, ValueError):
         epochs = []
-    pick = max if mode == "max" else min
     error = errors.get(folder.name) or (summary or {}).get("error")
     status = status_of(summary, error)
     times = [sum(e.epoch_s for e in epochs[:i + 1]) for i in range(len(epochs))]
     return dict(trial=folder.name, **{n: cfg.get(n) for n in names}, status=status, epochs=len(epochs),
                 best_test_acc=max((e.test_acc for e in epochs), default=None),
                 last_test_acc=epochs[-1].test_acc if epochs else None,
-                best_metric=pick((getattr(e, metric) for e in epochs), default=None),
+                best_metric=(max if mode == "max" else min)((getattr(e, metric) for e in epochs), default=None),
                 wall_s=(summary or {}).get("wall_s"), train_s=times[-1] if times else None,
                 time_to_first_step_s=(summary or {}).get("time_to_first_step_s"),
                 stopped_early=status == STOPPED_EARLY, error=error or "",
@@ -75,13 +68,6 @@ def collect(search_dir: storage.Location, names: list[str], metric: str, mode: s
             errors: Optional[dict[str, str]] = None) -> list[dict]:
     rows = [trial_row(f, names, metric, mode, errors or {}) for f in trial_folders(search_dir)]
     return [r for r in rows if r is not None]
-
-
-def best_row(rows: list[dict], mode: str) -> Optional[dict]:
-    scored = [r for r in rows if r["best_metric"] is not None]
-    if not scored:
-        return None
-    return (max if mode == "max" else min)(scored, key=lambda r: r["best_metric"])
 
 
 def train_command(cfg: dict, storage_path: str, name: str) -> str:
@@ -131,16 +117,32 @@ def markdown(meta: dict, rows: list[dict], names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(search_dir: storage.Location, meta: dict, rows: list[dict], names: list[str]) -> str:
-    """tune.csv, tune.md and tune.png in the search folder; returns the Markdown."""
-    keys = ["trial", *names, *COLUMNS[1:], "run_dir"]
-    search_dir.join(TUNE_CSV).write_text(csv_text(rows, keys))
+def write_report(search: Search, search_dir: storage.Location, meta: dict, errors: dict[str, str]) -> list[dict]:
+    """tune.csv, tune.md and tune.png in the search folder, from its trials' run folders; the rows."""
+    names = [d.name for d in search.space]
+    o = search.opts
+    rows = collect(search_dir, names, o.metric, o.direction, errors)
+    epochs_run = sum(r["epochs"] for r in rows)
+    full = o.num_samples * search.base.epochs
+    meta["budget"] = (f"Trial-epochs run: {epochs_run} of {o.num_samples} x {search.base.epochs} = {full} "
+                      f"without early stopping; {sum(r['stopped_early'] for r in rows)} trial(s) stopped early, "
+                      f"{len(rows)} of {o.num_samples} started.")
+    best = (max if o.direction == "max" else min)((r for r in rows if r["best_metric"] is not None),
+                                                  key=lambda r: r["best_metric"], default=None)
+    if best is not None:
+        command = train_command(best["config"], search_dir.uri, best["trial"])
+        meta["best"] = (f"Best: {best['trial']} ({values_text({n: best[n] for n in names})}), {o.metric} "
+                        f"{best['best_metric']:.4f}. Continue it (more --epochs extend it):\n\n    {command}")
+    csv_file, md_file, png_file = (search_dir.join(n) for n in OUTPUTS)
+    csv_file.write_text(csv_text(rows, ["trial", *names, *COLUMNS[1:], "run_dir"]))
     table = markdown(meta, rows, names)
-    search_dir.join(TUNE_MD).write_text(table + "\n")
+    md_file.write_text(table + "\n")
     png = io.BytesIO()
     plot(meta, rows, names, png)
-    search_dir.join(TUNE_PNG).write_bytes(png.getvalue())
-    return table
+    png_file.write_bytes(png.getvalue())
+    print(table, flush=True)
+    print(f"search results: {search_dir.uri}/{{{','.join(OUTPUTS)}}}", flush=True)
+    return rows
 
 
 def plot(meta: dict, rows: list[dict], names: list[str], out: Any) -> None:

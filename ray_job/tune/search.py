@@ -17,7 +17,7 @@ import platform
 import shlex
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from .. import storage
 from ..core.errors import UsageError
@@ -28,10 +28,8 @@ from ..train import tracked
 from ..train.driver import check_sizes, open_folder, preflight
 from ..train.trainer import connect, resolve_workers, worker_size, workers_that_fit
 from . import control, report
-from .options import Search
-from .progress import SearchProgress, values_text
-from .scheduler import EpochASHA
-from .space import check_against
+from .control import EpochASHA, SearchProgress
+from .options import Search, check_against
 from .trial import TrialSetup, run_trial, trial_dirname
 
 SEARCH_JSON = "search.json"
@@ -46,7 +44,7 @@ def run_search(search: Search, argv: list[str], callbacks: Sequence[Any] = (),
     """`python -m ray_job tune`: the exit code. `callbacks`: more Ray Tune callbacks on this driver
     (e.g. a tracking parent run); `trial_callbacks`: see TrialSetup.callbacks."""
     search = dataclasses.replace(search, base=preflight(search.base))
-    search_dir = storage.at(search.search_dir())
+    search_dir = storage.at(search.base.run_dir())
     record = {**search.record(), "command": "python -m ray_job tune " + shlex.join(argv)}
     check_same_search(record, search_dir)
     open_folder(search_dir)  # without a requeued search's stop request: it must not stop at once
@@ -67,7 +65,11 @@ def searched(search: Search, search_dir: storage.Location, record: dict, live: c
     connect(search.base)
     search, at_once = fit_cluster(search)
     storage.write_json(search_dir.join(SEARCH_JSON), record)
-    quiet_tune()
+    # Our progress lines instead of Tune's tables; no per-trial result files of Tune's (each trial's
+    # run folder has its metrics), so no warning that they are missing either.
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
     meta = describe(search, at_once, record["command"])
     print(f"tune: {meta['how']}\ntune: search folder {search_dir.uri}", flush=True)
     # --mlflow: the search is a parent run, each trial a child (tagged when stopped early)
@@ -80,18 +82,15 @@ def searched(search: Search, search_dir: storage.Location, record: dict, live: c
     except KeyboardInterrupt:
         print(f"tune: aborted by a second {live.signals.reason}; the trials resume from their last "
               f"checkpoints when the same command runs again", flush=True)
-    rows = write_report(search, search_dir, meta, errors)
-    rc = exit_code(rows, live)
-    tracked.finish_parent(parent, search_dir.uri, (report.TUNE_CSV, report.TUNE_MD, report.TUNE_PNG), rc)
+    rows = report.write_report(search, search_dir, meta, errors)
+    if live.stop_requested():
+        print("search stopped on request; run the same command (same --name) to continue it: finished "
+              "and early-stopped trials are kept, the others resume from their checkpoints", flush=True)
+        rc = live.signals.exit_code
+    else:
+        rc = ExitCode.FAILED if any(r["status"] == "failed" for r in rows) else ExitCode.DONE
+    tracked.finish_parent(parent, search_dir.uri, report.OUTPUTS, rc)
     return rc
-
-
-def quiet_tune() -> None:
-    """Our progress lines instead of Tune's tables; no per-trial result files of Tune's (each trial's
-    run folder has its metrics), so no warning that they are missing either."""
-    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
 
 
 def check_same_search(record: dict, search_dir: storage.Location) -> None:
@@ -156,12 +155,14 @@ def tuner_for(search: Search, at_once: int, callbacks: Sequence[Any], trial_call
         return tune.Tuner.restore(search_dir.path, trainable, resume_unfinished=True, resume_errored=False,
                                   storage_filesystem=fs)
     o = search.opts
+    asha = (EpochASHA(search_dir.uri, o.metric, search.base.epochs, o.grace_epochs, o.reduction_factor)
+            if o.scheduler == "asha" else None)
     return tune.Tuner(
         trainable,
         param_space={d.name: d.to_tune() for d in search.space},
         tune_config=tune.TuneConfig(
             metric=o.metric, mode=o.direction, num_samples=o.num_samples,
-            scheduler=scheduler_for(search, search_dir.uri), search_alg=searcher_for(search, at_once),
+            scheduler=asha, search_alg=searcher_for(search, at_once),
             trial_name_creator=trial_dirname, trial_dirname_creator=trial_dirname, reuse_actors=False),
         run_config=tune.RunConfig(
             name=search.base.name, storage_path=root.path, storage_filesystem=fs, verbose=0,
@@ -175,13 +176,6 @@ def trial_env(local: bool, mlflow: bool) -> tuple[tuple[str, str], ...]:
     storage's (AWS_*) and the tracking server's credentials (MLFLOW_TRACKING_*)."""
     wanted = (() if local else ("AWS_",)) + (tuple(CREDENTIAL_VARS) if mlflow else ())
     return tuple((k, v) for k, v in os.environ.items() if k.startswith(wanted))
-
-
-def scheduler_for(search: Search, search_dir: str) -> Optional[Any]:
-    o = search.opts
-    if o.scheduler == "none":
-        return None
-    return EpochASHA(search_dir, o.metric, search.base.epochs, o.grace_epochs, o.reduction_factor)
 
 
 def searcher_for(search: Search, at_once: int) -> Any:
@@ -206,31 +200,3 @@ def trial_errors(grid: Any) -> dict[str, str]:
             lines = [ln for ln in str(result.error).splitlines() if ln.strip()]
             errors[name] = (lines[-1] if lines else type(result.error).__name__)[:300]
     return errors
-
-
-def write_report(search: Search, search_dir: storage.Location, meta: dict, errors: dict[str, str]) -> list[dict]:
-    names = [d.name for d in search.space]
-    o = search.opts
-    rows = report.collect(search_dir, names, o.metric, o.direction, errors)
-    epochs_run = sum(r["epochs"] for r in rows)
-    full = o.num_samples * search.base.epochs
-    meta["budget"] = (f"Trial-epochs run: {epochs_run} of {o.num_samples} x {search.base.epochs} = {full} "
-                      f"without early stopping; {sum(r['stopped_early'] for r in rows)} trial(s) stopped early, "
-                      f"{len(rows)} of {o.num_samples} started.")
-    best = report.best_row(rows, o.direction)
-    if best is not None:
-        command = report.train_command(best["config"], search_dir.uri, best["trial"])
-        meta["best"] = (f"Best: {best['trial']} ({values_text({n: best[n] for n in names})}), {o.metric} "
-                        f"{best['best_metric']:.4f}. Continue it (more --epochs extend it):\n\n    {command}")
-    table = report.write_outputs(search_dir, meta, rows, names)
-    print(table, flush=True)
-    print(f"search results: {search_dir.uri}/{{{report.TUNE_CSV},{report.TUNE_MD},{report.TUNE_PNG}}}", flush=True)
-    return rows
-
-
-def exit_code(rows: list[dict], live: control.SearchControl) -> int:
-    if live.stop_requested():
-        print("search stopped on request; run the same command (same --name) to continue it: finished "
-              "and early-stopped trials are kept, the others resume from their checkpoints", flush=True)
-        return live.signals.exit_code
-    return ExitCode.FAILED if any(r["status"] == "failed" for r in rows) else ExitCode.DONE

@@ -1,14 +1,13 @@
 """One trial: Tune's trial function, which runs an ordinary `train` run with the sampled values.
 
 It runs in the trial's Ray actor (which holds no CPU: the run's Train workers take the cluster's)
-and goes through the train driver's own run lifecycle (driver.run_in_folder: lease, folder, start,
-tracking, fit, summary), so a trial is a run like any other: its folder <search>/trial_NNN/ holds
-config.json, metrics, TensorBoard, checkpoints and summary.json, and `python -m ray_job train` with
+through the train driver's own run lifecycle (driver.run_in_folder), so a trial is a run like any
+other: its folder <search>/trial_NNN/ holds what a run's does, and `python -m ray_job train` with
 the same flags continues it.
 
-Only epoch results reach Tune (EpochResults): the worker loop also reports when a background
-checkpoint upload finishes and at timed or stop checkpoints (test_acc UNSCORED); Tune, its scheduler and
-its searcher see exactly one result per finished epoch, with `epoch` as the time attribute.
+Only epoch results reach Tune (EpochResults): the worker loop also reports finished background
+uploads and timed or stop checkpoints (test_acc UNSCORED); Tune, its scheduler and its searcher see
+one result per finished epoch, with `epoch` as the time attribute.
 
 How a trial ends, as Tune must see it:
   - the run finished its epochs, or the scheduler stopped it early (the run checkpointed at the
@@ -29,7 +28,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -44,7 +43,7 @@ from ..train import stop
 from ..train.driver import make_way, run_in_folder
 from ..train.runfiles import METRICS_JSONL, SUMMARY_JSON
 from ..train.runlog import read_metrics
-from .space import trial_config
+from .options import trial_config
 
 log = logging.getLogger("ray_job.tune")
 
@@ -92,13 +91,13 @@ class EpochResults(TuneReportCallback):
             super().after_report(run_context, metrics, None)
 
 
+@dataclass
 class StopReason:
     """Why a trial's run stopped, in the form fit_and_summarise asks of stop.Signals."""
 
+    search_dir: str
+    run_dir: str
     exit_code = ExitCode.STOPPED
-
-    def __init__(self, search_dir: str, run_dir: str):
-        self.search_dir, self.run_dir = search_dir, run_dir
 
     @property
     def early(self) -> bool:
@@ -135,7 +134,8 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     if status_of(read_summary(cfg.run_dir())) in (FINISHED, STOPPED_EARLY):
         return replay(cfg)
     why = StopReason(setup.search_dir, cfg.run_dir())
-    rc = run_in_folder(cfg, started, why.forwarded, setup.parent_id or None, "tune", callbacks_for(setup, cfg),
+    callbacks = [EpochResults(), *(make(cfg) for make in setup.callbacks)]
+    rc = run_in_folder(cfg, started, why.forwarded, setup.parent_id or None, "tune", callbacks,
                        tags=lambda rc: {"ray_job.early_stopped": str(is_stop(rc) and why.early).lower()})
     if is_stop(rc) and why.reason == SEARCH_STOPPED:
         park(cfg)
@@ -150,9 +150,10 @@ def park(cfg: TrainConfig) -> None:
         time.sleep(60)
 
 
-def read_summary(run_dir: storage.Where) -> Optional[dict]:
+def read_summary(run_dir: storage.Where, name: str = SUMMARY_JSON) -> Optional[dict]:
+    """The run folder's summary.json (or `name`); None if it has none that can be read."""
     try:
-        return storage.read_json(storage.at(run_dir).join(SUMMARY_JSON))
+        return storage.read_json(storage.at(run_dir).join(name))
     except (FileNotFoundError, StorageError, ValueError):
         return None
 
@@ -180,7 +181,3 @@ def replay(cfg: TrainConfig) -> None:
     for row in rows:
         tune.report({**row.to_dict(), REPLAYED: True})
 
-
-def callbacks_for(setup: TrialSetup, cfg: TrainConfig) -> Sequence[Any]:
-    """The Ray Train callbacks of a trial's run: Tune's (epoch results), then the setup's."""
-    return [EpochResults(), *(make(cfg) for make in setup.callbacks)]
