@@ -13,7 +13,7 @@ import pytest
 from ray_job.config import build_train_parser, config_from_args
 from ray_job.core.errors import UsageError
 from ray_job.cluster.slurm import Allocation, NodeRestarts
-from ray_job.commands.slurm_plan import main, plan_driver, scale_parser
+from ray_job.commands.slurm_plan import main, parser_for, plan_driver
 
 
 
@@ -162,7 +162,7 @@ def test_scale_mode_uses_the_scale_parser(command):
     p = plan(["scale", *command, "--workers", "1,2", "--no-gpu", "--stor", "/x"])
     assert p.mode == "scale" and count(p.args, "--storage-path", "--use-gpu", "--no-gpu") == 1
     assert list(p.args[:len(command)]) == command  # the subcommand stays first
-    ns = scale_parser(p.args).parse_args(list(p.args[len(command):]))
+    ns = parser_for("scale", p.args).parse_args(list(p.args[len(command):]))
     assert (list(ns.workers), ns.use_gpu, ns.storage_path, ns.name) == ([1, 2], False, "/x", "slurm-7")
     with pytest.raises(UsageError):
         plan(["scale", "--workers", "0"])

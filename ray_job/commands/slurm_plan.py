@@ -13,7 +13,7 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,28 +51,20 @@ def split_mode(argv: Sequence[str]) -> tuple[str, list[str]]:
     return first, rest
 
 
-def train_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+def parser_for(mode: str, argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The mode's own parser (imported here: a mode's modules load only for that mode)."""
+    if mode == "scale":
+        from ..scale import build_parser, split_command
+
+        command, rest = split_command(list(argv))
+        return build_parser(rest, command)
+    if mode == "tune":
+        from ..tune.options import build_parser
+
+        return build_parser(list(argv))
     from ..config import build_train_parser
 
     return build_train_parser(argv)
-
-
-def scale_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    # Imported here: the scaling sweep (and what it imports) is only needed for scale mode.
-    from ..scale import build_parser, split_command
-
-    command, rest = split_command(list(argv))
-    return build_parser(rest, command)
-
-
-def tune_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    from ..tune.options import build_parser
-
-    return build_parser(list(argv))
-
-
-PARSERS: dict[str, Callable[[Sequence[str]], argparse.ArgumentParser]] = {
-    "train": train_parser, "scale": scale_parser, "tune": tune_parser}
 
 
 def plan_driver(argv: Sequence[str], alloc: Allocation) -> DriverPlan:
@@ -86,8 +78,7 @@ def plan_driver(argv: Sequence[str], alloc: Allocation) -> DriverPlan:
             raise UsageError(f"serve takes no flags (got {' '.join(flags)}). HINT: give them to the "
                              f"jobs: ray job submit ... -- python -m ray_job train FLAGS")
         return DriverPlan("serve", (), resolve_path(alloc.storage_path), "", alloc.gpus_per_node > 0)
-    build = PARSERS[mode]
-    given = flags_given(build(flags), without_command(mode, flags))
+    given = flags_given(parser_for(mode, flags), without_command(mode, flags))
     if "address" in given:
         raise UsageError("--address is set by this script; do not pass it")
     added: list[str] = []
@@ -98,7 +89,7 @@ def plan_driver(argv: Sequence[str], alloc: Allocation) -> DriverPlan:
     if "use_gpu" not in given:
         added.append("--use-gpu" if alloc.gpus_per_node else "--no-gpu")
     args = with_command(mode, flags, added)  # ours before the user's: a `--` cannot swallow them
-    cfg = config_from_args(build(args).parse_args(without_command(mode, args)))  # validates, as the driver
+    cfg = config_from_args(parser_for(mode, args).parse_args(without_command(mode, args)))  # validates, as the driver
     if cfg.use_gpu and not alloc.gpus_per_node:
         raise UsageError(f"--use-gpu was given but SLURM gave this job no GPUs. {NO_GPUS_HINT}")
     if mode == "tune":  # the search's own checks (the space, the scheduler), before Ray starts
@@ -117,13 +108,6 @@ def plan_records(alloc: Allocation, plan: DriverPlan) -> list[str]:
                  LOG_DIR=alloc.log_dir, MODE=plan.mode, STORAGE_PATH=plan.storage_path,
                  RUN_NAME=plan.run_name, WANT_GPU=int(plan.use_gpu))
     return [f"{key}={value}" for key, value in facts.items()] + ["--", *plan.args]
-
-
-def warnings_for(alloc: Allocation, plan: DriverPlan) -> list[str]:
-    if plan.mode != "serve" and alloc.gpus_per_node and not plan.use_gpu:
-        return [f"{alloc.gpus_per_node} GPU(s) per node allocated but the driver was told not to "
-                f"use them (--no-use-gpu / --no-gpu)"]
-    return []
 
 
 SUBCOMMANDS = {"scale": ("sweep",)}
@@ -154,8 +138,9 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
                 plan = plan_driver(argv, alloc)
             except SystemExit as e:
                 return e.code if isinstance(e.code, int) else 2
-        for line in warnings_for(alloc, plan):
-            print(f"warning: {line}", file=sys.stderr)
+        if plan.mode != "serve" and alloc.gpus_per_node and not plan.use_gpu:
+            print(f"warning: {alloc.gpus_per_node} GPU(s) per node allocated but the driver was told not to "
+                  f"use them (--no-use-gpu / --no-gpu)", file=sys.stderr)
         sys.stdout.write("".join(f"{record}\0" for record in plan_records(alloc, plan)))
         return 0
     except UsageError as e:

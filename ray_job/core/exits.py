@@ -20,18 +20,6 @@ class ExitCode(enum.IntEnum):
     TERMINATED = 143     # SIGTERM: likewise
 
 
-MEANING = {
-    ExitCode.DONE: "done (or already done)",
-    ExitCode.FAILED: "training failed",
-    ExitCode.BAD_INPUT: "bad input (one line says what to fix; nothing overwritten)",
-    ExitCode.STOPPED: "stopped on request with a checkpoint",
-    ExitCode.CLUSTER_DOWN: "the Ray cluster did not come up",
-    ExitCode.NO_RESOURCES: "the cluster could not hold the workers for --resource-wait-s",
-    ExitCode.INTERRUPTED: "interrupted (Ctrl-C): with a checkpoint, unless a second one aborted",
-    ExitCode.TERMINATED: "terminated (SIGTERM): with a checkpoint, unless a second one aborted",
-}
-
-
 def is_stop(rc: int) -> bool:
     """Stopped with a checkpoint: on request, Ctrl-C or SIGTERM."""
     return rc in (ExitCode.STOPPED, ExitCode.INTERRUPTED, ExitCode.TERMINATED)

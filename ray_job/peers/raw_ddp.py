@@ -240,14 +240,6 @@ def parse_args(argv: Optional[list[str]]) -> BaselineArgs:
                                         ("data_dir", "checkpoint", "checkpoint_dir", "report_json")})
 
 
-def load_data(args: BaselineArgs):
-    from ..data.datasets import load_splits
-
-    return load_splits(TrainConfig(data=args.data, data_dir=args.data_dir, seed=args.seed,
-                                   synthetic_train_size=args.synthetic_train_size,
-                                   synthetic_test_size=args.synthetic_test_size))
-
-
 def train(args: BaselineArgs) -> dict:
     started = time.time()
     env = dist_env()
@@ -255,7 +247,11 @@ def train(args: BaselineArgs) -> dict:
     if env.world > args.batch_size:
         raise UsageError(f"--batch-size {args.batch_size} (global) is smaller than the {env.world} processes")
     torch.manual_seed(args.seed)
-    train_split, test_split = load_data(args)
+    from ..data.datasets import load_splits
+
+    train_split, test_split = load_splits(TrainConfig(
+        data=args.data, data_dir=args.data_dir, seed=args.seed, synthetic_train_size=args.synthetic_train_size,
+        synthetic_test_size=args.synthetic_test_size))
     per_rank = args.batch_size // env.world
     model = wrap_ddp(build_baseline_model(args.model, args.num_classes, args.stem).to(device), device, env.world)
     optimizer = baseline_optimizer(model, args.lr, args.momentum)
