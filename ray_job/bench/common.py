@@ -18,14 +18,10 @@ from torch import nn
 
 from ..config import Speed
 from ..core.errors import UsageError
+from ..peers.raw_ddp import BaselineArgs
 
 
-class BaselineRecipe:
-    """The raw-DDP baseline's optimiser settings (ray_job.peers.raw_ddp's defaults)."""
-
-    lr = 1e-4
-    momentum = 0.9
-    batch = 128
+BASELINE = BaselineArgs()  # the raw-DDP baseline's recipe: its own defaults (lr, momentum, batch_size)
 
 
 def device_and_flags(cuda: bool):

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ..config import Speed
 from ..storage import read_json, write_json
-from .common import BaselineRecipe, machine_busy_s, own_usage
+from .common import BASELINE, machine_busy_s, own_usage
 
 LOOPS = ("baseline", "ours")
 
@@ -78,7 +78,7 @@ def _baseline_loop(spec: RunSpec, place: Placement, split, per_rank: int):
 
     env = raw_ddp.DistEnv(place.rank, place.world, 0, "ray" if place.ray else "torchrun")
     model = place.wrap_model(raw_ddp.build_baseline_model(spec.model, spec.num_classes, spec.stem))
-    optimizer = raw_ddp.baseline_optimizer(model, BaselineRecipe.lr, BaselineRecipe.momentum)
+    optimizer = raw_ddp.baseline_optimizer(model, BASELINE.lr, BASELINE.momentum)
     loader = place.wrap_loader(raw_ddp.baseline_train_loader(split, per_rank, env, 0, 0, not place.ray))
     criterion = nn.CrossEntropyLoss()
 

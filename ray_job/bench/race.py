@@ -22,7 +22,7 @@ from ..config import DATASETS, MODELS, STEMS
 from ..core.errors import UsageError
 from ..core.flags import option
 from ..storage import read_json, read_jsonl
-from .common import BaselineRecipe, check_workers, connect_ray, fmt, machine, run_torchrun
+from .common import BASELINE, check_workers, connect_ray, fmt, machine, run_torchrun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _recipe_result(history: list[dict], launched: float, first_step: Optional[fl
 def race_baseline(cfg: RaceConfig, work: str, threads: int, data_args: list[str]) -> dict:
     """The raw-DDP baseline's recipe under torchrun, stopping at the target or the budget."""
     report = os.path.join(work, "baseline_report.json")
-    steps = cfg.eval_every_images // BaselineRecipe.batch if cfg.eval_every_images else 0
+    steps = cfg.eval_every_images // BASELINE.batch_size if cfg.eval_every_images else 0
     args = ["ray_job.peers.raw_ddp", "--model", cfg.model, "--stem", cfg.stem, "--num-classes", "10",
             *data_args, "--epochs", "100000", "--target-acc", str(cfg.target),
             "--time-budget-s", str(cfg.budget_s), "--steps-per-epoch", str(steps),
@@ -86,8 +86,9 @@ def race_baseline(cfg: RaceConfig, work: str, threads: int, data_args: list[str]
         if folder != keep:
             shutil.rmtree(os.path.join(work, "baseline_checkpoints", folder), ignore_errors=True)
     return _recipe_result(r["epochs"], launched, r["first_step_time"], cfg.target, r["stopped"], wall,
-                          launcher="torchrun", recipe="raw-DDP baseline: fp32, global batch 128, SGD lr 1e-4 "
-                          "momentum 0.9, PIL pipeline", log=log, command="torchrun " + shlex.join(args))
+                          launcher="torchrun", recipe=f"raw-DDP baseline: fp32, global batch {BASELINE.batch_size}, "
+                          f"SGD lr {BASELINE.lr:g} momentum {BASELINE.momentum:g}, PIL pipeline", log=log,
+                          command="torchrun " + shlex.join(args))
 
 
 def race_ours(cfg: RaceConfig, work: str, threads: int, data_args: list[str]) -> dict:
@@ -148,7 +149,7 @@ def main(cfg: RaceConfig) -> dict:
     from ..data.datasets import check_data, load_splits
 
     cuda = torch.cuda.is_available()
-    check_workers(cfg.workers, BaselineRecipe.batch, cuda)
+    check_workers(cfg.workers, BASELINE.batch_size, cuda)
     work = os.path.join(os.path.dirname(cfg.out), f"bench_to_accuracy_{time.strftime('%Y%m%d_%H%M%S')}")
     os.makedirs(work, exist_ok=True)
     data_args = ["--data", cfg.data, "--data-dir", cfg.data_dir, "--synthetic-train-size",

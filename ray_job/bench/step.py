@@ -24,7 +24,8 @@ import torch
 from ..config import MODELS
 from ..core.errors import UsageError
 from ..core.flags import option
-from .common import (BaselineRecipe, device_and_flags, device_peaks, fast_setup, flop_share, flops_per_image, fmt,
+from ..peers.raw_ddp import baseline_optimizer, build_baseline_model
+from .common import (BASELINE, device_and_flags, device_peaks, fast_setup, flop_share, flops_per_image, fmt,
                      format_peaks, machine, run_steps)
 
 
@@ -73,19 +74,18 @@ def bench_fast(cfg: StepConfig, stem: str, cuda: bool, compute: bool = True, **p
 
 
 def bench_baseline(cfg: StepConfig, cuda: bool) -> dict:
-    """The raw-DDP baseline's pipeline: nothing here is this project's code but the timer."""
-    import torchvision
-
+    """The raw-DDP baseline's pipeline: its model, optimizer and per-sample PIL transforms; nothing of
+    this project's training code but the timer."""
     from ..data.arrays import TorchvisionDataset
     from ..data.synthetic import make_synthetic
 
     device = torch.device("cuda") if cuda else torch.device("cpu")
-    model = torchvision.models.__dict__[cfg.model](weights=None).to(device)  # 1000-class head
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ds = TorchvisionDataset(make_synthetic(BaselineRecipe.batch * max(cfg.baseline_steps, 2), 0, True), train=True)
+    model = build_baseline_model(cfg.model, BASELINE.num_classes, "imagenet").to(device)
+    opt = baseline_optimizer(model, BASELINE.lr, BASELINE.momentum)
+    ds = TorchvisionDataset(make_synthetic(BASELINE.batch_size * max(cfg.baseline_steps, 2), 0, True), train=True)
 
     def batches():
-        return iter(torch.utils.data.DataLoader(ds, batch_size=BaselineRecipe.batch, shuffle=True, num_workers=0))
+        return iter(torch.utils.data.DataLoader(ds, batch_size=BASELINE.batch_size, shuffle=True, num_workers=0))
 
     to_device = (lambda x, train: x.to(device))
     return run_steps(model, batches, opt, to_device, device, False, cfg.baseline_steps, 1)
@@ -122,13 +122,12 @@ def bench_ray(cfg: StepConfig, stem: str, cuda: bool) -> dict:
 
 def add_flop_shares(report: dict, cuda: bool) -> None:
     """The ceiling: each row's achieved FLOP/s as a share of the device's measured matmul peak."""
-    import torchvision
-
     from ..model.resnet import build_model
 
     cfg, peaks = report["config"], report["ceiling"]
     ours = "bf16" if device_and_flags(cuda)[1] else "fp32"
-    groups = [("fp32", torchvision.models.__dict__[cfg["model"]](weights=None), [report["baseline"]])]  # 1000 classes
+    groups = [("fp32", build_baseline_model(cfg["model"], BASELINE.num_classes, "imagenet"),
+                [report["baseline"]])]
     for stem in cfg["stems"].split(","):
         rows = [report[stem][k] for k in ("compute", "fast", "ray") if k in report[stem]]
         groups.append((ours, build_model(cfg["model"], stem, 10), rows))

@@ -29,7 +29,7 @@ from ..config import MODELS, STEMS
 from ..core.errors import UsageError
 from ..core.flags import option
 from ..storage import read_json, write_json
-from .common import (BaselineRecipe, check_workers, connect_ray, device_peaks, flop_share, flops_per_image, fmt,
+from .common import (BASELINE, check_workers, connect_ray, device_peaks, flop_share, flops_per_image, fmt,
                      format_peaks, machine, run_torchrun)
 from .loops import LOOPS, RunSpec, _ray_worker
 
@@ -91,7 +91,7 @@ def main(cfg: VsDdpConfig) -> dict:
 
     cuda = torch.cuda.is_available()
     # the baseline's global batch of 128 unless given; enough steps to be steady
-    size = dict(model=cfg.model, stem=cfg.stem, global_batch=cfg.batch_size or BaselineRecipe.batch,
+    size = dict(model=cfg.model, stem=cfg.stem, global_batch=cfg.batch_size or BASELINE.batch_size,
                 steps=cfg.steps or (50 if cuda else 12), warmup=cfg.warmup or (10 if cuda else 2))
     check_workers(cfg.workers, size["global_batch"], cuda)
     work = os.path.join(os.path.dirname(cfg.out), "bench_vs_ddp")
