@@ -39,7 +39,7 @@ class CheckpointError(UsageError):
 def training_state(*, model: torch.nn.Module, optimizer, epoch: int, step: int, config: dict,
                    metrics: dict, world_size: int = 1) -> dict:
     """What a checkpoint file holds; `epoch` counts finished epochs, `step` the steps into the next.
-    Its tensors are the live ones: `uploader.Snapshot` copies them to keep them.
+    Its tensors are the live ones: `checkpointer.Snapshot` copies them to keep them.
 
     The LR schedule is not saved: it is a pure function of the position (epoch, step).
     """
@@ -145,25 +145,20 @@ def mismatch(name: str, recorded: dict, size: int, data: Optional[bytes] = None)
     return None
 
 
-def checkpoint_file(path: Where) -> Location:
-    """The checkpoint.pt for a checkpoint directory or file (local path, URI or Location)."""
-    loc = storage.at(path)
-    return loc.join(CHECKPOINT_FILE) if loc.is_dir() else loc
-
-
 def load_checkpoint(path: Where, near: Optional[Location] = None) -> dict:
-    """Loads a checkpoint onto the CPU, or raises CheckpointError with what to do.
-
-    `path` may be on object storage (s3://...): `near` is a Location whose filesystem serves it."""
+    """Loads a checkpoint (its folder or its file) onto the CPU, or raises CheckpointError with what
+    to do. `path` may be on object storage (s3://...): `near` is a Location whose filesystem serves it."""
+    name = path.uri if isinstance(path, Location) else path
     try:
-        file = checkpoint_file(storage.at(path, near))
+        file = storage.at(path, near)
+        file = file.join(CHECKPOINT_FILE) if file.is_dir() else file
         if not file.exists():
-            raise CheckpointError(f"no checkpoint at {_name(path)} (expected a checkpoint directory "
+            raise CheckpointError(f"no checkpoint at {name} (expected a checkpoint directory "
                                   f"holding {CHECKPOINT_FILE}, or the file itself); HINT: list them "
                                   f"with `ls <storage-path>/<name>/`")
         data = read_verified(file)
     except StorageError as e:
-        raise CheckpointError(f"cannot read the checkpoint {_name(path)}: {e}") from None
+        raise CheckpointError(f"cannot read the checkpoint {name}: {e}") from None
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as e:  # truncated zip, pickle garbage, wrong file type
@@ -198,10 +193,6 @@ def read_verified(file: Location) -> bytes:
             raise CheckpointError(f"checkpoint {folder.uri} is damaged: {problem}; pick another "
                                   f"with --resume-from")
     return data
-
-
-def _name(path: Where) -> str:
-    return path.uri if isinstance(path, Location) else path
 
 
 def restore_training_state(state: dict, *, model, optimizer) -> None:

@@ -1,5 +1,5 @@
 """The driver of `python -m ray_job train`: checks the input, connects to Ray, runs the
-TorchTrainer (trainer.py) and summarises (summary.py).
+TorchTrainer and summarises (trainer.py).
 
 Every check that can fail fast runs before any worker starts, so bad input costs seconds. The run
 folder (local or object storage) is reached through ray_job.storage only.
@@ -33,9 +33,8 @@ from . import stop, tracked
 from .checkpoint import load_checkpoint
 from .checkpointer import SCORE_METRIC, SCORE_ORDER
 from .runfiles import CONFIG_JSON
-from .summary import (aborted, announce_finished, finished_summary, resources_lost, storage_failed,
-                      summary_table, write_summary)
-from .trainer import BelowMinimum, build_trainer, connect, resolve_workers
+from .trainer import (BelowMinimum, aborted, announce_finished, build_trainer, connect, finished_summary,
+                      resolve_workers, resources_lost, storage_failed, summary_table, write_summary)
 
 log = logging.getLogger("ray_job.driver")
 
@@ -46,22 +45,6 @@ def with_default_name(cfg: TrainConfig) -> TrainConfig:
             raise UsageError(f"--name {cfg.name!r} must be a plain folder name, not a path")
         return cfg
     return dataclasses.replace(cfg, name=cfg.default_name())
-
-
-def with_progress(cfg: TrainConfig) -> TrainConfig:
-    """--progress auto: a live bar when the user watches a terminal, plain lines in log files."""
-    if cfg.progress != "auto":
-        return cfg
-    return dataclasses.replace(cfg, progress="bar" if sys.stdout.isatty() else "lines")
-
-
-def check_storage(cfg: TrainConfig) -> None:
-    """--storage-path takes a write: a local folder, or object storage (endpoint reachable,
-    credentials accepted, bucket there, writes allowed), checked in seconds."""
-    try:
-        storage.check_writable(cfg.storage_path)
-    except StorageError as e:
-        raise UsageError(str(e)) from None
 
 
 def check_resume_from(cfg: TrainConfig) -> None:
@@ -97,18 +80,22 @@ def check_submitted_job_paths(cfg: TrainConfig) -> None:
 def preflight(cfg: TrainConfig) -> TrainConfig:
     """Decisions made once, on the driver, and checks that fail in seconds before Ray starts."""
     check_submitted_job_paths(cfg)
-    cfg = with_progress(with_default_name(cfg.with_resolved_paths()))
-    check_storage(cfg)
+    cfg = with_default_name(cfg.with_resolved_paths())
+    if cfg.progress == "auto":  # a live bar when the user watches a terminal, plain lines in log files
+        cfg = dataclasses.replace(cfg, progress="bar" if sys.stdout.isatty() else "lines")
+    try:  # --storage-path takes a write (object storage: endpoint, credentials, bucket), in seconds
+        storage.check_writable(cfg.storage_path)
+    except StorageError as e:
+        raise UsageError(str(e)) from None
     check_data(cfg)
     check_resume_from(cfg)
     return tracking.check(cfg)  # --mlflow: the store reached (the URI decided), else nothing
 
 
 def run_training(cfg: TrainConfig, parent_id: Optional[str] = None) -> int:
-    """`python -m ray_job train` (and each point of a scaling sweep): the whole run, from the checks
-    to the summary; the exit code. `parent_id`: the MLflow run of a sweep this run belongs to.
-    From the lease on, SIGUSR1, Ctrl-C and SIGTERM are stop requests (stop.py); a second Ctrl-C or
-    SIGTERM aborts at once."""
+    """`python -m ray_job train` (and each point of a scaling sweep), from the checks to the summary;
+    the exit code. `parent_id`: the MLflow run of the sweep. From the lease on, SIGUSR1, Ctrl-C and
+    SIGTERM are stop requests (stop.py); a second Ctrl-C or SIGTERM aborts at once."""
     started = time.time()
     cfg = preflight(cfg)
     if announce_finished(cfg):
@@ -121,13 +108,10 @@ def run_in_folder(cfg: TrainConfig, started: float, stopping: Callable[[str], Ab
                   parent_id: Optional[str] = None, command: str = "train", callbacks: Sequence[Any] = (),
                   tags: Callable[[int], dict] = lambda rc: {}, show_config: bool = False) -> int:
     """One run's lifecycle, the same for `train`, a sweep's point and a search's trial: the run
-    folder taken (its lease) and opened -> stop requests watched -> the workers decided and
-    config.json written -> its MLflow run (--mlflow) -> fit and summary -> the MLflow run completed
-    (with `tags(exit code)`); the exit code.
-
-    `stopping(run_dir)`: a context that yields what fit_and_summarise asks of stop.Signals (train:
-    stop.stop_on_signals; a trial: the search's request forwarded). `parent_id`, `command`: the
-    MLflow run's parent and the command it is tagged with; `callbacks`: more Ray Train callbacks."""
+    folder leased and opened -> stop requests watched (`stopping(run_dir)`: a context yielding what
+    fit_and_summarise asks of stop.Signals) -> workers decided, config.json written -> its MLflow run
+    (child of `parent_id`, tagged with `command`) -> fit and summary -> the MLflow run completed (with
+    `tags(exit code)`); the exit code. `callbacks`: more Ray Train callbacks."""
     with run_folder(cfg), stopping(cfg.run_dir()) as signals:
         try:
             connect(cfg)
