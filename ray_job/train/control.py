@@ -52,9 +52,7 @@ class Watcher:
     def __init__(self, run_dir: Where, every_s: float = WATCH_EVERY_S):
         self.run_dir, self.seen = run_dir, False
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(every_s,), name="stop-watch",
-                                        daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._watch, args=(every_s,), name="stop-watch", daemon=True).start()
 
     def _watch(self, every_s: float) -> None:
         failing = False
@@ -76,14 +74,10 @@ class Watcher:
 
 
 class StepControl:
-    """`after_step(step, steps_in_epoch)`: the Decision after that step (every rank calls it after
-    the same steps). `look_now()`: a blocking look at an epoch's end or before a stop's checkpoint.
-
-    Rank 0's flags come from the stop request and from plain callables: `busy()` (an upload is in
-    flight or unreported: no timed checkpoint falls due meanwhile) and `upload_over()` (an upload
-    is over and waits for its report). With `checkpoint_every_s`, rank 0's clock decides when a
-    timed checkpoint is due; `checkpointed()` restarts it.
-    """
+    """`after_step()`: the Decision after a step (every rank calls it after the same steps);
+    `look_now()`: a blocking look. Rank 0's flags: the stop request, `busy()` (an upload in flight or
+    unreported: no timed checkpoint falls due), `upload_over()`, and its checkpoint clock
+    (`checkpoint_every_s`, restarted by `checkpointed()`)."""
 
     STOP, CHECKPOINT, SAVED = 1, 2, 4
 
@@ -107,12 +101,11 @@ class StepControl:
             self._watcher.close()
 
     def checkpointed(self) -> None:
-        """A checkpoint was just saved: the clock for the next timed one starts now."""
         self._last_checkpoint = time.monotonic()
 
     def after_step(self, step: int, steps_in_epoch: int) -> Decision:
-        """After step `step` of an epoch of `steps_in_epoch`: GO_ON, or what rank 0's flags say (a
-        timed checkpoint only before the epoch's last step, whose own checkpoint comes anyway)."""
+        """GO_ON, or what rank 0's flags say (a timed checkpoint only before the epoch's last step,
+        whose own checkpoint comes anyway)."""
         flags = self._poll(step)
         if not flags:
             return GO_ON
@@ -145,7 +138,6 @@ class StepControl:
         return Decision(stop=bool(flags & self.STOP), report_saved=bool(flags & self.SAVED))
 
     def _flags(self) -> int:
-        """Rank 0's view: the stop request, the checkpoint clock, its upload (0 on the other ranks)."""
         if not self.master_process:
             return 0
         due = self.checkpoint_every_s > 0 and time.monotonic() - self._last_checkpoint >= self.checkpoint_every_s
@@ -178,8 +170,8 @@ class StepControl:
 
 def controlled_steps(steps: EpochSteps, batches: Iterable, max_steps: int, skip: int, control: StepControl,
                      progress=None) -> Iterator[tuple[Step, Decision]]:
-    """The per-step path of `train` (and of `bench vs-ddp`'s "ours"): each step of the epoch, rank
-    0's progress display (`progress`, None on the other ranks), and the step control's Decision."""
+    """Each step of the epoch, shown by rank 0's `progress` (None elsewhere), with its Decision: the
+    per-step path of `train` and of `bench vs-ddp`'s "ours"."""
     for step in steps.run(batches, max_steps, skip):
         if progress is not None:
             progress.on_step(step)

@@ -27,21 +27,17 @@ from .runfiles import STOP_FILE
 log = logging.getLogger("ray_job.stop")
 
 
-def path(run_dir: Where) -> storage.Location:
-    return storage.at(run_dir).join(STOP_FILE)
-
-
 def request(run_dir: Where) -> None:
-    path(run_dir).write_text(str(time.time()))
+    storage.at(run_dir).join(STOP_FILE).write_text(str(time.time()))
 
 
 def requested(run_dir: Where) -> bool:
-    return path(run_dir).exists()
+    return storage.at(run_dir).join(STOP_FILE).exists()
 
 
 def clear(run_dir: Where) -> None:
     """A requeued job must not stop at once because of its previous run's request."""
-    path(run_dir).delete()
+    storage.at(run_dir).join(STOP_FILE).delete()
 
 
 # What each signal is, to the user and to the exit code (core/exits.py).
@@ -50,10 +46,9 @@ SIGNALS = {signal.SIGUSR1: ("SIGUSR1", ExitCode.STOPPED), signal.SIGINT: ("Ctrl-
 
 
 class Signals:
-    """What the signals of one run asked for: the first SIGUSR1 (SLURM's pre-timeout signal, sent
-    on by slurm_ray_start.sh), SIGINT (Ctrl-C) or SIGTERM (`ray job stop`, a terminal closing)
-    writes the stop request -- the workers checkpoint where they are and stop; a second SIGINT or
-    SIGTERM aborts at once (KeyboardInterrupt in the main thread). `exit_code` says how to end."""
+    """What the signals of one run asked for: the first SIGUSR1, SIGINT or SIGTERM (`ray job stop`, a
+    terminal closing) writes the stop request; a second SIGINT or SIGTERM aborts at once
+    (KeyboardInterrupt in the main thread). `exit_code` says how to end."""
 
     def __init__(self, run_dir: Where):
         self.run_dir, self.first = run_dir, None

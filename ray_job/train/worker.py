@@ -3,13 +3,9 @@
 Ray appears only where it must: prepare_model and prepare_data_loader (build.ray_placement),
 get_context, get_checkpoint and report (`ray_link`); from `train_run` down it runs without Ray
 (tests/test_worker_loop.py). After each step the step control answers one `Decision` (control.py)
-and `Loop.act` carries it out; the checkpointer saves, verifies, records and reports (checkpointer.py).
-
-Storage faults: a checkpoint that cannot be saved is logged and skipped -- never reported, so never
-taken as the latest -- and training goes on; the next checkpoint tries again, and the run files
-catch up once the storage is back. The final checkpoint (end of run, stop request) is retried for up
-to --retry-storage-s seconds; if it still fails, the run ends with that error and the same command
-later resumes from the last checkpoint that was saved.
+and `Loop.act` carries it out; the checkpointer saves, verifies, records and reports (checkpointer.py,
+which also says what a storage fault costs). A final checkpoint that could not be saved ends the run
+with its error; the same command later resumes from the last checkpoint that was.
 """
 
 from __future__ import annotations
