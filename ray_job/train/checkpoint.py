@@ -1,16 +1,11 @@
-"""Checkpoint files: one `checkpoint.pt` per Ray checkpoint directory, and a `manifest.json` that
-makes a checkpoint provably whole.
+"""Checkpoint files: one `checkpoint.pt` per Ray checkpoint directory, and a `manifest.json` (size and
+SHA-256, written last) that makes a checkpoint provably whole.
 
 The model is saved unwrapped (no `module.` / `_orig_mod.` prefixes) and everything is loaded onto the
-CPU first, so a checkpoint loads on any world size and any device.
-
-Whole or not at all: `write_checkpoint` serialises the state straight into the checkpoint folder (a
-local folder or an object store: one pass, no local copy first), counting and hashing the bytes on
-their way out; it checks that the store holds the file at that size, and writes `manifest.json`
-(size and SHA-256) last. A failed or short copy is removed. Every load reads the bytes itself
-(`read_verified`: never a download shared with other processes) and checks them against the
-manifest before unpickling, naming the file that is short, and by how much, or whose checksum
-differs.
+CPU first, so a checkpoint loads on any world size and any device. `write_checkpoint` serialises
+straight into the folder (local or object store: one pass, no local copy), counting and hashing the
+bytes on their way out; every load reads the bytes itself (`read_verified`) and checks them against
+the manifest before unpickling, naming the file that is short, and by how much, or whose checksum differs.
 """
 
 from __future__ import annotations
@@ -38,11 +33,9 @@ class CheckpointError(UsageError):
 
 def training_state(*, model: torch.nn.Module, optimizer, epoch: int, step: int, config: dict,
                    metrics: dict, world_size: int = 1) -> dict:
-    """What a checkpoint file holds; `epoch` counts finished epochs, `step` the steps into the next.
-    Its tensors are the live ones: `checkpointer.Snapshot` copies them to keep them.
-
-    The LR schedule is not saved: it is a pure function of the position (epoch, step).
-    """
+    """What a checkpoint file holds; `epoch` counts finished epochs, `step` the steps into the next;
+    not the LR schedule, a pure function of (epoch, step). Its tensors are the live ones:
+    `checkpointer.Snapshot` copies them to keep them."""
     return {
         "format_version": FORMAT_VERSION,
         "model": model.state_dict(),

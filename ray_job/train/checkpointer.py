@@ -16,7 +16,7 @@ more still. At most one upload is in flight, and one snapshot held besides the l
 Resuming: rank 0 takes the newest of this run's complete checkpoints (their `checkpoint_saved` event,
 or Ray's record) that verifies, passing over damaged ones (`checkpoint_skipped`); every rank loads
 that one. Without any, `--resume-from`; without that, a fresh start. Every checkpoint damaged is bad
-input (exit 2), never a silent restart from scratch. Retention is Ray's (`retention()`).
+input (exit 2), never a silent restart from scratch. Retention is Ray's (by SCORE_METRIC).
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ class Snapshot:
         return self.state
 
 
-def upload(job: Callable[[], Any]) -> Future:
-    """`job()` on a daemon thread (an exit never waits for it); its result, or what it raised."""
+def in_thread(job: Callable[[], Any], name: str) -> Future:
+    """`job()` on a daemon thread (an exit never waits for it): its result, or what it raised."""
     future: Future = Future()
 
     def run() -> None:
@@ -140,7 +140,7 @@ def upload(job: Callable[[], Any]) -> Future:
         except BaseException as e:  # handed to whoever asks for the result
             future.set_exception(e)
 
-    threading.Thread(target=run, name="checkpoint-upload", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return future
 
 
@@ -182,7 +182,7 @@ class Checkpointer:
                 name = self.ray.new_dir_name()
                 snap = Snapshot(training_state(**state()), into=self._last_snapshot)
                 self._last_snapshot, self._metrics = snap.state, metrics
-                self._upload = upload(lambda: self._write(name, snap.wait(), 0.0))
+                self._upload = in_thread(lambda: self._write(name, snap.wait(), 0.0), "checkpoint-upload")
             return None
         path, error = None, None
         if self.master_process:
@@ -254,9 +254,3 @@ class Checkpointer:
             return Resume()
         same_world = state.get("world_size") == world_size
         return Resume(state["epoch"], state.get("step", 0) if same_world else 0, state)
-
-    @staticmethod
-    def retention(keep: int) -> dict:
-        """Ray's CheckpointConfig arguments: the `keep` best by SCORE (and the latest)."""
-        return dict(num_to_keep=keep, checkpoint_score_attribute=SCORE_METRIC, checkpoint_score_order=SCORE_ORDER)
-

@@ -46,17 +46,17 @@ GO_ON = Decision()
 
 
 class Watcher:
-    """Rank 0's look at the request on object storage, where one costs a network round trip:
-    a thread looks every `every_s` seconds, and a poll reads its latest answer without waiting."""
+    """Rank 0's look at the request on object storage, where one costs a network round trip: a
+    thread looks every WATCH_EVERY_S seconds (until `done` is set), and a poll reads its latest
+    answer without waiting."""
 
-    def __init__(self, run_dir: Where, every_s: float = WATCH_EVERY_S):
-        self.run_dir, self.seen = run_dir, False
-        self._done = threading.Event()
-        threading.Thread(target=self._watch, args=(every_s,), name="stop-watch", daemon=True).start()
+    def __init__(self, run_dir: Where):
+        self.run_dir, self.seen, self.done = run_dir, False, threading.Event()
+        threading.Thread(target=self._watch, name="stop-watch", daemon=True).start()
 
-    def _watch(self, every_s: float) -> None:
+    def _watch(self) -> None:
         failing = False
-        while not self.seen and not self._done.is_set():
+        while not self.seen and not self.done.is_set():
             try:
                 self.seen = stop.requested(self.run_dir)
                 failing = False
@@ -64,13 +64,10 @@ class Watcher:
                 if not failing:
                     log.warning("cannot look for a stop request (%s); looking again", e)
                 failing = True
-            self._done.wait(every_s)
+            self.done.wait(WATCH_EVERY_S)
 
     def __call__(self) -> bool:
         return self.seen
-
-    def close(self) -> None:
-        self._done.set()
 
 
 class StepControl:
@@ -98,7 +95,7 @@ class StepControl:
 
     def close(self) -> None:
         if self._watcher is not None:
-            self._watcher.close()
+            self._watcher.done.set()
 
     def checkpointed(self) -> None:
         self._last_checkpoint = time.monotonic()

@@ -15,6 +15,7 @@ import threading
 import time
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from contextlib import AbstractContextManager
 from typing import Any, Optional
 
@@ -31,29 +32,12 @@ from ..storage import StorageError
 from ..storage.lease import Lease
 from . import stop, tracked
 from .checkpoint import load_checkpoint
-from .checkpointer import SCORE_METRIC, SCORE_ORDER
+from .checkpointer import SCORE_METRIC, SCORE_ORDER, in_thread
 from .runfiles import CONFIG_JSON
 from .trainer import (BelowMinimum, aborted, announce_finished, build_trainer, connect, finished_summary,
                       resolve_workers, resources_lost, storage_failed, summary_table, write_summary)
 
 log = logging.getLogger("ray_job.driver")
-
-
-def with_default_name(cfg: TrainConfig) -> TrainConfig:
-    if cfg.name:
-        if os.sep in cfg.name or cfg.name in (".", ".."):
-            raise UsageError(f"--name {cfg.name!r} must be a plain folder name, not a path")
-        return cfg
-    return dataclasses.replace(cfg, name=cfg.default_name())
-
-
-def check_resume_from(cfg: TrainConfig) -> None:
-    if cfg.resume_from:
-        state = load_checkpoint(cfg.resume_from)  # raises a one-line CheckpointError
-        saved = state.get("config", {})
-        if saved.get("model") != cfg.model or saved.get("stem") != cfg.stem:
-            raise UsageError(f"--resume-from holds a {saved.get('model')}/{saved.get('stem')} stem "
-                             f"model; pass --model {saved.get('model')} --stem {saved.get('stem')}")
 
 
 def check_sizes(cfg: TrainConfig, world: int) -> None:
@@ -80,7 +64,11 @@ def check_submitted_job_paths(cfg: TrainConfig) -> None:
 def preflight(cfg: TrainConfig) -> TrainConfig:
     """Decisions made once, on the driver, and checks that fail in seconds before Ray starts."""
     check_submitted_job_paths(cfg)
-    cfg = with_default_name(cfg.with_resolved_paths())
+    cfg = cfg.with_resolved_paths()
+    if not cfg.name:
+        cfg = dataclasses.replace(cfg, name=cfg.default_name())
+    elif os.sep in cfg.name or cfg.name in (".", ".."):
+        raise UsageError(f"--name {cfg.name!r} must be a plain folder name, not a path")
     if cfg.progress == "auto":  # a live bar when the user watches a terminal, plain lines in log files
         cfg = dataclasses.replace(cfg, progress="bar" if sys.stdout.isatty() else "lines")
     try:  # --storage-path takes a write (object storage: endpoint, credentials, bucket), in seconds
@@ -88,7 +76,11 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
     except StorageError as e:
         raise UsageError(str(e)) from None
     check_data(cfg)
-    check_resume_from(cfg)
+    if cfg.resume_from:
+        saved = load_checkpoint(cfg.resume_from).get("config", {})  # raises a one-line CheckpointError
+        if saved.get("model") != cfg.model or saved.get("stem") != cfg.stem:
+            raise UsageError(f"--resume-from holds a {saved.get('model')}/{saved.get('stem')} stem "
+                             f"model; pass --model {saved.get('model')} --stem {saved.get('stem')}")
     return tracking.check(cfg)  # --mlflow: the store reached (the URI decided), else nothing
 
 
@@ -272,22 +264,11 @@ def fit(trainer, watch=None, every_s: float = 5.0):
     `watch()` is asked every `every_s` meanwhile; a reason from it ends the wait (ResourcesLost)."""
     if threading.current_thread() is not threading.main_thread() and watch is None:
         return trainer.fit()
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["result"] = trainer.fit()
-        except BaseException as e:  # raised again in the main thread
-            box["error"] = e
-    thread = threading.Thread(target=run, name="fit", daemon=True)
-    thread.start()
+    result = in_thread(trainer.fit, "fit")
     looked = time.monotonic()
-    while thread.is_alive():
-        thread.join(0.5)
+    while not futures.wait([result], timeout=0.5).done:
         if watch is not None and time.monotonic() - looked >= every_s:
             looked = time.monotonic()
-            if thread.is_alive() and watch():
+            if not result.done() and watch():
                 raise ResourcesLost()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+    return result.result()  # or what fit raised, raised again in the main thread

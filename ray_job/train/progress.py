@@ -1,11 +1,9 @@
-"""Rank 0's progress display: is the job alive, how fast does it go, when will it end.
-
-Two forms, chosen once on the driver (`--progress`, auto = bar when its stdout is a terminal):
-  lines  after the first step, then every --log-every steps or every EVERY_S seconds, whichever
-         comes first: step/total, loss, images/s, data vs compute ms (the raw-DDP baseline's
-         fields) and the ETA of the epoch and of the run. For SLURM logs and `ray job logs`.
-  bar    a live tqdm bar with the same figures, drawn by the driver (Ray's tqdm_ray sends the
-         bar's state from the worker, so it works from any node).
+"""Rank 0's progress display: is the job alive, how fast does it go, when will it end. `--progress`:
+  lines  after the first step, then every --log-every steps or EVERY_S seconds, whichever comes
+         first: step/total, loss, images/s, data vs compute ms (the raw-DDP baseline's fields) and
+         the ETA of the epoch and of the run. For SLURM logs and `ray job logs`.
+  bar    a live tqdm bar with the same figures, drawn by the driver (Ray's tqdm_ray sends its state
+         from the worker, so it works from any node).
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ def hms(seconds: float) -> str:
 
 
 class Progress:
-    """Rank 0's display over a run, built once: `start_epoch()` at each epoch's start, `on_step`
-    after every step, `close()` at the epoch's end."""
+    """Built once per run: `start_epoch()` at each epoch's start, `on_step` after every step, `close()`
+    at the epoch's end."""
 
     def __init__(self, mode: str, epochs: int, steps: int, global_batch: int, log_every: int,
                  every_s: float = EVERY_S):

@@ -48,18 +48,11 @@ SIGNALS = {signal.SIGUSR1: ("SIGUSR1", ExitCode.STOPPED), signal.SIGINT: ("Ctrl-
 class Signals:
     """What the signals of one run asked for: the first SIGUSR1, SIGINT or SIGTERM (`ray job stop`, a
     terminal closing) writes the stop request; a second SIGINT or SIGTERM aborts at once
-    (KeyboardInterrupt in the main thread). `exit_code` says how to end."""
+    (KeyboardInterrupt in the main thread). `reason` and `exit_code`: the first signal's."""
 
     def __init__(self, run_dir: Where):
         self.run_dir, self.first = run_dir, None
-
-    @property
-    def exit_code(self) -> ExitCode:
-        return SIGNALS[self.first][1] if self.first is not None else ExitCode.STOPPED
-
-    @property
-    def reason(self) -> str:
-        return SIGNALS[self.first][0] if self.first is not None else "a stop request"
+        self.reason, self.exit_code = "a stop request", ExitCode.STOPPED
 
     def handle(self, signum, frame) -> None:
         if self.first is not None:
@@ -67,15 +60,16 @@ class Signals:
                 raise KeyboardInterrupt(f"second {SIGNALS[signum][0]}")
             return
         self.first = signum
-        again = "" if signum == signal.SIGUSR1 else f" ({SIGNALS[signum][0]} again to abort at once)"
+        self.reason, self.exit_code = SIGNALS[signum]
+        again = "" if signum == signal.SIGUSR1 else f" ({self.reason} again to abort at once)"
         try:
             request(self.run_dir)
         except storage.StorageError as e:
-            log.warning("%s: cannot write the stop request yet (%s); retrying", SIGNALS[signum][0], e)
+            log.warning("%s: cannot write the stop request yet (%s); retrying", self.reason, e)
             threading.Thread(target=_request_until_written, args=(self.run_dir,), name="stop-request",
                              daemon=True).start()
             return
-        log.info("%s: asked the workers to checkpoint and stop%s", SIGNALS[signum][0], again)
+        log.info("%s: asked the workers to checkpoint and stop%s", self.reason, again)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from ..core.errors import UsageError
 from ..core.exits import ExitCode
 from ..storage import StorageError
 from . import metrics, stop
-from .checkpointer import Checkpointer, saved_checkpoints
+from .checkpointer import SCORE_METRIC, SCORE_ORDER, saved_checkpoints
 from .runfiles import EVENTS_JSONL, METRICS_JSONL, SUMMARY_JSON, Event
 from .runlog import read_metrics
 
@@ -146,7 +146,9 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
             name=cfg.name,
             storage_path=root.path,
             storage_filesystem=storage.for_ray(root, cfg.retry_storage_s),
-            checkpoint_config=CheckpointConfig(**Checkpointer.retention(cfg.keep_checkpoints)),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints,  # the best, and the latest
+                                               checkpoint_score_attribute=SCORE_METRIC,
+                                               checkpoint_score_order=SCORE_ORDER),
             failure_config=FailureConfig(max_failures=cfg.max_failures,
                                          controller_failure_limit=-1 if cfg.min_workers else 0),
             callbacks=[Quiet(), *callbacks],
