@@ -73,10 +73,9 @@ class EpochSteps:
         self.stats, self._loss_sum, self._correct = EpochStats(), 0, 0
         self.model.train()
         it = iter(batches)
-        if skip_steps:
-            # Resuming mid-epoch: the sampler order is the same, so skipping reproduces the position.
-            for _ in islice(it, skip_steps):
-                pass
+        # Resuming mid-epoch: the sampler order is the same, so skipping reproduces the position.
+        for _ in islice(it, skip_steps):
+            pass
         step, stats = skip_steps, self.stats
         self._start = t0 = time.perf_counter()
         for images, labels in it:

@@ -99,15 +99,12 @@ class RunLog:
 
     def write_json(self, name: str, obj: Any) -> None:
         with self._lock:
-            self._put(name, dumps(obj, indent=2, sort_keys=True).encode())
+            self._pending[name] = dumps(obj, indent=2, sort_keys=True).encode()
             self.flush()
 
     # --- writing, and catching up after a storage fault ---
-    def _put(self, name: str, data: bytes) -> None:
-        self._pending[name] = data
-
     def _put_lines(self, name: str) -> None:
-        self._put(name, "".join(line + "\n" for line in self._lines[name]).encode())
+        self._pending[name] = "".join(line + "\n" for line in self._lines[name]).encode()
 
     def flush(self) -> bool:
         """Writes every pending file; False (and the files kept for later) if the storage fails."""
@@ -133,7 +130,7 @@ class RunLog:
     def _put_metrics(self) -> None:
         self._put_lines(METRICS_JSONL)
         rows = [r.to_dict() for r in self.history()]
-        self._put(METRICS_CSV, csv_text(rows, list(EpochMetrics.__dataclass_fields__)).encode())
+        self._pending[METRICS_CSV] = csv_text(rows, list(EpochMetrics.__dataclass_fields__)).encode()
 
     def _writer(self) -> Optional[Any]:
         """TensorBoard's writer: in the run folder itself, or in a temporary folder (object storage)."""
@@ -154,7 +151,7 @@ class RunLog:
             return
         for name in os.listdir(self._tb_dir):
             with open(os.path.join(self._tb_dir, name), "rb") as f:
-                self._put(f"{TENSORBOARD}/{name}", f.read())
+                self._pending[f"{TENSORBOARD}/{name}"] = f.read()
 
     def close(self, wait_s: float = 0.0) -> Optional[str]:
         """Writes what is left, retrying for up to `wait_s` seconds; the error if it could not."""
