@@ -1,14 +1,11 @@
 """The stop request: how a run is asked to checkpoint where it is and stop (preemption, the time
-limit, Ctrl-C).
-
-The protocol, all of it here:
-  - asking:  `request(run_dir)` writes <run>/.preempt (a local folder or an object store); the
-             driver does it on SIGUSR1 (what slurm_ray_start.sh sends on SLURM's pre-timeout
-             signal), Ctrl-C and SIGTERM (`stop_on_signals`); a user may also create the file;
+limit, Ctrl-C). The protocol, all of it here:
+  - asking: `request(run_dir)` writes <run>/.preempt (local or object storage); the driver does it
+    on SIGUSR1 (what slurm_ray_start.sh sends on SLURM's pre-timeout signal), Ctrl-C and SIGTERM
+    (`stop_on_signals`); a user may also create the file;
   - a new start clears a request left by the previous (requeued) run: `clear(run_dir)`;
   - a sweep forwards its own request to the point that is running: `forward(sweep, point)`;
-  - the workers look for it through their step control (control.py), which answers STOP at the
-    same step on every rank.
+  - the workers look for it through their step control (control.py): STOP at the same step on every rank.
 """
 
 from __future__ import annotations
