@@ -18,9 +18,8 @@ import torch
 import fsfaults
 from ray_job.storage import Location, at, read_jsonl
 from ray_job.train.checkpoint import CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError
-from ray_job.train.checkpointer import Checkpointer, LocalReports, saved_checkpoints
+from ray_job.train.checkpointer import Checkpointer, LocalReports, Snapshot, saved_checkpoints
 from ray_job.train.runlog import RunLog
-from ray_job.train.uploader import Snapshot
 
 
 def model_state(value: float = 1.0, width: int = 256):

@@ -1,16 +1,11 @@
-"""Checkpoint files: one `checkpoint.pt` per Ray checkpoint directory, and a `manifest.json` that
-makes a checkpoint provably whole.
+"""Checkpoint files: one `checkpoint.pt` per Ray checkpoint directory, and a `manifest.json` (size and
+SHA-256, written last) that makes a checkpoint provably whole.
 
 The model is saved unwrapped (no `module.` / `_orig_mod.` prefixes) and everything is loaded onto the
-CPU first, so a checkpoint loads on any world size and any device.
-
-Whole or not at all: `write_checkpoint` serialises the state straight into the checkpoint folder (a
-local folder or an object store: one pass, no local copy first), counting and hashing the bytes on
-their way out; it checks that the store holds the file at that size, and writes `manifest.json`
-(size and SHA-256) last. A failed or short copy is removed. Every load reads the bytes itself
-(`read_verified`: never a download shared with other processes) and checks them against the
-manifest before unpickling, naming the file that is short, and by how much, or whose checksum
-differs.
+CPU first, so a checkpoint loads on any world size and any device. `write_checkpoint` serialises
+straight into the folder (local or object store: one pass, no local copy), counting and hashing the
+bytes on their way out; every load reads the bytes itself (`read_verified`) and checks them against
+the manifest before unpickling, naming the file that is short, and by how much, or whose checksum differs.
 """
 
 from __future__ import annotations
@@ -38,11 +33,9 @@ class CheckpointError(UsageError):
 
 def training_state(*, model: torch.nn.Module, optimizer, epoch: int, step: int, config: dict,
                    metrics: dict, world_size: int = 1) -> dict:
-    """What a checkpoint file holds; `epoch` counts finished epochs, `step` the steps into the next.
-    Its tensors are the live ones: `uploader.Snapshot` copies them to keep them.
-
-    The LR schedule is not saved: it is a pure function of the position (epoch, step).
-    """
+    """What a checkpoint file holds; `epoch` counts finished epochs, `step` the steps into the next;
+    not the LR schedule, a pure function of (epoch, step). Its tensors are the live ones:
+    `checkpointer.Snapshot` copies them to keep them."""
     return {
         "format_version": FORMAT_VERSION,
         "model": model.state_dict(),
@@ -145,25 +138,20 @@ def mismatch(name: str, recorded: dict, size: int, data: Optional[bytes] = None)
     return None
 
 
-def checkpoint_file(path: Where) -> Location:
-    """The checkpoint.pt for a checkpoint directory or file (local path, URI or Location)."""
-    loc = storage.at(path)
-    return loc.join(CHECKPOINT_FILE) if loc.is_dir() else loc
-
-
 def load_checkpoint(path: Where, near: Optional[Location] = None) -> dict:
-    """Loads a checkpoint onto the CPU, or raises CheckpointError with what to do.
-
-    `path` may be on object storage (s3://...): `near` is a Location whose filesystem serves it."""
+    """Loads a checkpoint (its folder or its file) onto the CPU, or raises CheckpointError with what
+    to do. `path` may be on object storage (s3://...): `near` is a Location whose filesystem serves it."""
+    name = path.uri if isinstance(path, Location) else path
     try:
-        file = checkpoint_file(storage.at(path, near))
+        file = storage.at(path, near)
+        file = file.join(CHECKPOINT_FILE) if file.is_dir() else file
         if not file.exists():
-            raise CheckpointError(f"no checkpoint at {_name(path)} (expected a checkpoint directory "
+            raise CheckpointError(f"no checkpoint at {name} (expected a checkpoint directory "
                                   f"holding {CHECKPOINT_FILE}, or the file itself); HINT: list them "
                                   f"with `ls <storage-path>/<name>/`")
         data = read_verified(file)
     except StorageError as e:
-        raise CheckpointError(f"cannot read the checkpoint {_name(path)}: {e}") from None
+        raise CheckpointError(f"cannot read the checkpoint {name}: {e}") from None
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as e:  # truncated zip, pickle garbage, wrong file type
@@ -198,10 +186,6 @@ def read_verified(file: Location) -> bytes:
             raise CheckpointError(f"checkpoint {folder.uri} is damaged: {problem}; pick another "
                                   f"with --resume-from")
     return data
-
-
-def _name(path: Where) -> str:
-    return path.uri if isinstance(path, Location) else path
 
 
 def restore_training_state(state: dict, *, model, optimizer) -> None:

@@ -46,19 +46,17 @@ GO_ON = Decision()
 
 
 class Watcher:
-    """Rank 0's look at the request on object storage, where one costs a network round trip:
-    a thread looks every `every_s` seconds, and a poll reads its latest answer without waiting."""
+    """Rank 0's look at the request on object storage, where one costs a network round trip: a
+    thread looks every WATCH_EVERY_S seconds (until `done` is set), and a poll reads its latest
+    answer without waiting."""
 
-    def __init__(self, run_dir: Where, every_s: float = WATCH_EVERY_S):
-        self.run_dir, self.seen = run_dir, False
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(every_s,), name="stop-watch",
-                                        daemon=True)
-        self._thread.start()
+    def __init__(self, run_dir: Where):
+        self.run_dir, self.seen, self.done = run_dir, False, threading.Event()
+        threading.Thread(target=self._watch, name="stop-watch", daemon=True).start()
 
-    def _watch(self, every_s: float) -> None:
+    def _watch(self) -> None:
         failing = False
-        while not self.seen and not self._done.is_set():
+        while not self.seen and not self.done.is_set():
             try:
                 self.seen = stop.requested(self.run_dir)
                 failing = False
@@ -66,24 +64,17 @@ class Watcher:
                 if not failing:
                     log.warning("cannot look for a stop request (%s); looking again", e)
                 failing = True
-            self._done.wait(every_s)
+            self.done.wait(WATCH_EVERY_S)
 
     def __call__(self) -> bool:
         return self.seen
 
-    def close(self) -> None:
-        self._done.set()
-
 
 class StepControl:
-    """`after_step(step, steps_in_epoch)`: the Decision after that step (every rank calls it after
-    the same steps). `look_now()`: a blocking look at an epoch's end or before a stop's checkpoint.
-
-    Rank 0's flags come from the stop request and from plain callables: `busy()` (an upload is in
-    flight or unreported: no timed checkpoint falls due meanwhile) and `upload_over()` (an upload
-    is over and waits for its report). With `checkpoint_every_s`, rank 0's clock decides when a
-    timed checkpoint is due; `checkpointed()` restarts it.
-    """
+    """`after_step()`: the Decision after a step (every rank calls it after the same steps);
+    `look_now()`: a blocking look. Rank 0's flags: the stop request, `busy()` (an upload in flight or
+    unreported: no timed checkpoint falls due), `upload_over()`, and its checkpoint clock
+    (`checkpoint_every_s`, restarted by `checkpointed()`)."""
 
     STOP, CHECKPOINT, SAVED = 1, 2, 4
 
@@ -104,15 +95,14 @@ class StepControl:
 
     def close(self) -> None:
         if self._watcher is not None:
-            self._watcher.close()
+            self._watcher.done.set()
 
     def checkpointed(self) -> None:
-        """A checkpoint was just saved: the clock for the next timed one starts now."""
         self._last_checkpoint = time.monotonic()
 
     def after_step(self, step: int, steps_in_epoch: int) -> Decision:
-        """After step `step` of an epoch of `steps_in_epoch`: GO_ON, or what rank 0's flags say (a
-        timed checkpoint only before the epoch's last step, whose own checkpoint comes anyway)."""
+        """GO_ON, or what rank 0's flags say (a timed checkpoint only before the epoch's last step,
+        whose own checkpoint comes anyway)."""
         flags = self._poll(step)
         if not flags:
             return GO_ON
@@ -145,7 +135,6 @@ class StepControl:
         return Decision(stop=bool(flags & self.STOP), report_saved=bool(flags & self.SAVED))
 
     def _flags(self) -> int:
-        """Rank 0's view: the stop request, the checkpoint clock, its upload (0 on the other ranks)."""
         if not self.master_process:
             return 0
         due = self.checkpoint_every_s > 0 and time.monotonic() - self._last_checkpoint >= self.checkpoint_every_s
@@ -178,8 +167,8 @@ class StepControl:
 
 def controlled_steps(steps: EpochSteps, batches: Iterable, max_steps: int, skip: int, control: StepControl,
                      progress=None) -> Iterator[tuple[Step, Decision]]:
-    """The per-step path of `train` (and of `bench vs-ddp`'s "ours"): each step of the epoch, rank
-    0's progress display (`progress`, None on the other ranks), and the step control's Decision."""
+    """Each step of the epoch, shown by rank 0's `progress` (None elsewhere), with its Decision: the
+    per-step path of `train` and of `bench vs-ddp`'s "ours"."""
     for step in steps.run(batches, max_steps, skip):
         if progress is not None:
             progress.on_step(step)

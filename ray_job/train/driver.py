@@ -1,5 +1,5 @@
 """The driver of `python -m ray_job train`: checks the input, connects to Ray, runs the
-TorchTrainer (trainer.py) and summarises (summary.py).
+TorchTrainer and summarises (trainer.py).
 
 Every check that can fail fast runs before any worker starts, so bad input costs seconds. The run
 folder (local or object storage) is reached through ray_job.storage only.
@@ -15,6 +15,7 @@ import threading
 import time
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from contextlib import AbstractContextManager
 from typing import Any, Optional
 
@@ -31,46 +32,12 @@ from ..storage import StorageError
 from ..storage.lease import Lease
 from . import stop, tracked
 from .checkpoint import load_checkpoint
-from .checkpointer import SCORE_METRIC, SCORE_ORDER
+from .checkpointer import SCORE_METRIC, SCORE_ORDER, in_thread
 from .runfiles import CONFIG_JSON
-from .summary import (aborted, announce_finished, finished_summary, resources_lost, storage_failed,
-                      summary_table, write_summary)
-from .trainer import BelowMinimum, build_trainer, connect, resolve_workers
+from .trainer import (BelowMinimum, aborted, announce_finished, build_trainer, connect, finished_summary,
+                      resolve_workers, resources_lost, storage_failed, summary_table, write_summary)
 
 log = logging.getLogger("ray_job.driver")
-
-
-def with_default_name(cfg: TrainConfig) -> TrainConfig:
-    if cfg.name:
-        if os.sep in cfg.name or cfg.name in (".", ".."):
-            raise UsageError(f"--name {cfg.name!r} must be a plain folder name, not a path")
-        return cfg
-    return dataclasses.replace(cfg, name=cfg.default_name())
-
-
-def with_progress(cfg: TrainConfig) -> TrainConfig:
-    """--progress auto: a live bar when the user watches a terminal, plain lines in log files."""
-    if cfg.progress != "auto":
-        return cfg
-    return dataclasses.replace(cfg, progress="bar" if sys.stdout.isatty() else "lines")
-
-
-def check_storage(cfg: TrainConfig) -> None:
-    """--storage-path takes a write: a local folder, or object storage (endpoint reachable,
-    credentials accepted, bucket there, writes allowed), checked in seconds."""
-    try:
-        storage.check_writable(cfg.storage_path)
-    except StorageError as e:
-        raise UsageError(str(e)) from None
-
-
-def check_resume_from(cfg: TrainConfig) -> None:
-    if cfg.resume_from:
-        state = load_checkpoint(cfg.resume_from)  # raises a one-line CheckpointError
-        saved = state.get("config", {})
-        if saved.get("model") != cfg.model or saved.get("stem") != cfg.stem:
-            raise UsageError(f"--resume-from holds a {saved.get('model')}/{saved.get('stem')} stem "
-                             f"model; pass --model {saved.get('model')} --stem {saved.get('stem')}")
 
 
 def check_sizes(cfg: TrainConfig, world: int) -> None:
@@ -97,18 +64,30 @@ def check_submitted_job_paths(cfg: TrainConfig) -> None:
 def preflight(cfg: TrainConfig) -> TrainConfig:
     """Decisions made once, on the driver, and checks that fail in seconds before Ray starts."""
     check_submitted_job_paths(cfg)
-    cfg = with_progress(with_default_name(cfg.with_resolved_paths()))
-    check_storage(cfg)
+    cfg = cfg.with_resolved_paths()
+    if not cfg.name:
+        cfg = dataclasses.replace(cfg, name=cfg.default_name())
+    elif os.sep in cfg.name or cfg.name in (".", ".."):
+        raise UsageError(f"--name {cfg.name!r} must be a plain folder name, not a path")
+    if cfg.progress == "auto":  # a live bar when the user watches a terminal, plain lines in log files
+        cfg = dataclasses.replace(cfg, progress="bar" if sys.stdout.isatty() else "lines")
+    try:  # --storage-path takes a write (object storage: endpoint, credentials, bucket), in seconds
+        storage.check_writable(cfg.storage_path)
+    except StorageError as e:
+        raise UsageError(str(e)) from None
     check_data(cfg)
-    check_resume_from(cfg)
+    if cfg.resume_from:
+        saved = load_checkpoint(cfg.resume_from).get("config", {})  # raises a one-line CheckpointError
+        if saved.get("model") != cfg.model or saved.get("stem") != cfg.stem:
+            raise UsageError(f"--resume-from holds a {saved.get('model')}/{saved.get('stem')} stem "
+                             f"model; pass --model {saved.get('model')} --stem {saved.get('stem')}")
     return tracking.check(cfg)  # --mlflow: the store reached (the URI decided), else nothing
 
 
 def run_training(cfg: TrainConfig, parent_id: Optional[str] = None) -> int:
-    """`python -m ray_job train` (and each point of a scaling sweep): the whole run, from the checks
-    to the summary; the exit code. `parent_id`: the MLflow run of a sweep this run belongs to.
-    From the lease on, SIGUSR1, Ctrl-C and SIGTERM are stop requests (stop.py); a second Ctrl-C or
-    SIGTERM aborts at once."""
+    """`python -m ray_job train` (and each point of a scaling sweep), from the checks to the summary;
+    the exit code. `parent_id`: the MLflow run of the sweep. From the lease on, SIGUSR1, Ctrl-C and
+    SIGTERM are stop requests (stop.py); a second Ctrl-C or SIGTERM aborts at once."""
     started = time.time()
     cfg = preflight(cfg)
     if announce_finished(cfg):
@@ -121,13 +100,10 @@ def run_in_folder(cfg: TrainConfig, started: float, stopping: Callable[[str], Ab
                   parent_id: Optional[str] = None, command: str = "train", callbacks: Sequence[Any] = (),
                   tags: Callable[[int], dict] = lambda rc: {}, show_config: bool = False) -> int:
     """One run's lifecycle, the same for `train`, a sweep's point and a search's trial: the run
-    folder taken (its lease) and opened -> stop requests watched -> the workers decided and
-    config.json written -> its MLflow run (--mlflow) -> fit and summary -> the MLflow run completed
-    (with `tags(exit code)`); the exit code.
-
-    `stopping(run_dir)`: a context that yields what fit_and_summarise asks of stop.Signals (train:
-    stop.stop_on_signals; a trial: the search's request forwarded). `parent_id`, `command`: the
-    MLflow run's parent and the command it is tagged with; `callbacks`: more Ray Train callbacks."""
+    folder leased and opened -> stop requests watched (`stopping(run_dir)`: a context yielding what
+    fit_and_summarise asks of stop.Signals) -> workers decided, config.json written -> its MLflow run
+    (child of `parent_id`, tagged with `command`) -> fit and summary -> the MLflow run completed (with
+    `tags(exit code)`); the exit code. `callbacks`: more Ray Train callbacks."""
     with run_folder(cfg), stopping(cfg.run_dir()) as signals:
         try:
             connect(cfg)
@@ -288,22 +264,11 @@ def fit(trainer, watch=None, every_s: float = 5.0):
     `watch()` is asked every `every_s` meanwhile; a reason from it ends the wait (ResourcesLost)."""
     if threading.current_thread() is not threading.main_thread() and watch is None:
         return trainer.fit()
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["result"] = trainer.fit()
-        except BaseException as e:  # raised again in the main thread
-            box["error"] = e
-    thread = threading.Thread(target=run, name="fit", daemon=True)
-    thread.start()
+    result = in_thread(trainer.fit, "fit")
     looked = time.monotonic()
-    while thread.is_alive():
-        thread.join(0.5)
+    while not futures.wait([result], timeout=0.5).done:
         if watch is not None and time.monotonic() - looked >= every_s:
             looked = time.monotonic()
-            if thread.is_alive() and watch():
+            if not result.done() and watch():
                 raise ResourcesLost()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+    return result.result()  # or what fit raised, raised again in the main thread

@@ -36,9 +36,7 @@ class EpochStats:
 
 
 def autocast_context(device: torch.device, bf16: bool):
-    if not bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
 def _sync(device: torch.device, enabled: bool) -> None:
@@ -57,11 +55,9 @@ class Step:
 
 
 class EpochSteps:
-    """Trains one epoch at a time, one optimizer step at a time; built once per run. `run()` yields
-    after each step, and the caller may stop iterating (a stop request) at any step; `finish()`
-    then returns that epoch's EpochStats. Plain PyTorch, no Ray.
-
-    With `sync_timing` the device is synchronised around each phase so the split is exact."""
+    """Trains one epoch at a time, built once per run: `run()` yields after each step, the caller may
+    stop iterating at any step, and `finish()` returns that epoch's EpochStats. With `sync_timing`
+    the device is synchronised around each phase so the split is exact."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, loss_fn: Callable,
                  preprocess: Callable, device: torch.device, bf16: bool = False, sync_timing: bool = False):
@@ -77,10 +73,9 @@ class EpochSteps:
         self.stats, self._loss_sum, self._correct = EpochStats(), 0, 0
         self.model.train()
         it = iter(batches)
-        if skip_steps:
-            # Resuming mid-epoch: the sampler order is the same, so skipping reproduces the position.
-            for _ in islice(it, skip_steps):
-                pass
+        # Resuming mid-epoch: the sampler order is the same, so skipping reproduces the position.
+        for _ in islice(it, skip_steps):
+            pass
         step, stats = skip_steps, self.stats
         self._start = t0 = time.perf_counter()
         for images, labels in it:
@@ -166,14 +161,10 @@ def global_sums(values: list[float], device: torch.device) -> list[float]:
 
 
 def measure_comm_wait(steps: EpochSteps, batch, repeats: int = 3) -> float:
-    """Seconds per step spent waiting for DDP's gradient all-reduce, with the model and loss of
-    `steps`.
-
-    Times forward+backward with gradient sync and without (`no_sync`), on the same batch; the
-    difference is the communication the backward pass could not hide. The batch is not augmented
-    (no random draw) and BatchNorm statistics are restored afterwards, so the measurement does not
-    change training. Returns 0 without DDP.
-    """
+    """Seconds per step spent waiting for DDP's gradient all-reduce (0 without DDP): forward+backward
+    timed with gradient sync and without (`no_sync`) on the same batch; the difference is the
+    communication the backward pass could not hide. The batch is not augmented (no random draw) and
+    BatchNorm statistics are restored afterwards, so the measurement does not change training."""
     model, device = steps.model, steps.device
     if not hasattr(model, "no_sync"):
         return 0.0

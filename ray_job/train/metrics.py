@@ -63,9 +63,6 @@ TABLE_HEAD = (f"{'epoch':>5} {'train loss':>10} {'train acc':>9} {'test loss':>9
 
 def table(rows: list[EpochMetrics]) -> str:
     """The final table the driver prints: one line per epoch."""
-    lines = [TABLE_HEAD, "-" * len(TABLE_HEAD)]
-    for r in rows:
-        lines.append(f"{r.epoch:>5} {r.train_loss:>10.4f} {r.train_acc:>9.3f} {r.test_loss:>9.4f} "
-                     f"{r.test_acc:>8.3f} {r.epoch_s:>8.1f} {r.images_per_s:>8.0f} {r.data_s:>7.1f} "
-                     f"{r.compute_s:>9.1f} {r.lr:>8.4f}")
-    return "\n".join(lines)
+    return "\n".join([TABLE_HEAD, "-" * len(TABLE_HEAD), *(
+        f"{r.epoch:>5} {r.train_loss:>10.4f} {r.train_acc:>9.3f} {r.test_loss:>9.4f} {r.test_acc:>8.3f} "
+        f"{r.epoch_s:>8.1f} {r.images_per_s:>8.0f} {r.data_s:>7.1f} {r.compute_s:>9.1f} {r.lr:>8.4f}" for r in rows)])

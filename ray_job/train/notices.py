@@ -1,11 +1,10 @@
 """Ray Train's advice that does not apply to a run of ours, kept out of the user's terminal.
 
-A continued run (the same command again) makes Ray Train's controller log "A run snapshot was found
-... please configure a new, unique `RunConfig(name)` or delete the existing folder": advice for a
-user who set a RunConfig, given to one who was told to run the same command again, and whose own
-line already says what is resumed. `Quiet` is one of the run's Ray Train callbacks: when the
-controller unpickles it (before it reads the snapshot) it turns such notices into DEBUG records,
-which Ray's console handler drops and its log files (ray-train-sys-controller-*.log) still keep.
+A continued run makes Ray Train's controller log "A run snapshot was found ... please configure a
+new, unique `RunConfig(name)`": advice for a user who set a RunConfig, given to one who was told to
+run the same command again. `Quiet`, one of the run's Ray Train callbacks, turns such notices into
+DEBUG records when the controller unpickles it (before it reads the snapshot): Ray's console handler
+drops them, its log files (ray-train-sys-controller-*.log) keep them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Rank 0's progress display: is the job alive, how fast does it go, when will it end.
-
-Two forms, chosen once on the driver (`--progress`, auto = bar when its stdout is a terminal):
-  lines  after the first step, then every --log-every steps or every EVERY_S seconds, whichever
-         comes first: step/total, loss, images/s, data vs compute ms (the raw-DDP baseline's
-         fields) and the ETA of the epoch and of the run. For SLURM logs and `ray job logs`.
-  bar    a live tqdm bar with the same figures, drawn by the driver (Ray's tqdm_ray sends the
-         bar's state from the worker, so it works from any node).
+"""Rank 0's progress display: is the job alive, how fast does it go, when will it end. `--progress`:
+  lines  after the first step, then every --log-every steps or EVERY_S seconds, whichever comes
+         first: step/total, loss, images/s, data vs compute ms (the raw-DDP baseline's fields) and
+         the ETA of the epoch and of the run. For SLURM logs and `ray job logs`.
+  bar    a live tqdm bar with the same figures, drawn by the driver (Ray's tqdm_ray sends its state
+         from the worker, so it works from any node).
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ def hms(seconds: float) -> str:
 
 
 class Progress:
-    """Rank 0's display over a run, built once: `start_epoch()` at each epoch's start, `on_step`
-    after every step, `close()` at the epoch's end."""
+    """Built once per run: `start_epoch()` at each epoch's start, `on_step` after every step, `close()`
+    at the epoch's end."""
 
     def __init__(self, mode: str, epochs: int, steps: int, global_batch: int, log_every: int,
                  every_s: float = EVERY_S):
@@ -50,18 +48,18 @@ class Progress:
             self.bar = tqdm(total=self.steps, desc=f"epoch {epoch + 1}/{self.epochs}", unit="step")
             self.bar.n = start_step
 
-    def figures(self, step: int, loss: float, data_s: float, compute_s: float) -> str:
-        elapsed = time.perf_counter() - self.started
-        per_step = elapsed / max(self.done, 1)
-        left_epoch = (self.steps - step) * per_step
+    def figures(self, done: Step) -> str:
+        loss = float(done.loss.detach())  # waits for the device (so before the clock): never every step
+        per_step = (time.perf_counter() - self.started) / max(self.done, 1)
+        left_epoch = (self.steps - done.number) * per_step
         left_run = left_epoch + self.eval_s + (self.epochs - self.epoch - 1) * (
             self.steps * per_step + self.eval_s)
         return (f"Loss: {loss:.4f}, {self.global_batch / per_step:.0f} img/s, data "
-                f"{data_s * 1e3:.1f} ms, train {compute_s * 1e3:.1f} ms, ETA epoch "
+                f"{done.data_s * 1e3:.1f} ms, train {done.compute_s * 1e3:.1f} ms, ETA epoch "
                 f"{hms(left_epoch)}, run {hms(left_run)}")
 
     def on_step(self, done: Step) -> None:
-        step, loss, data_s, compute_s = done.number, done.loss, done.data_s, done.compute_s
+        step = done.number
         self.done += 1
         now = time.perf_counter()
         due = (self.done == 1 or now - self.last_print >= self.every_s
@@ -70,15 +68,13 @@ class Progress:
             self.bar.n = step
             if due or now - self.last_print >= 1.0:
                 self.last_print = now
-                self.bar.set_description(f"epoch {self.epoch + 1}/{self.epochs} "
-                                         f"{self.figures(step, float(loss.detach()), data_s, compute_s)}")
+                self.bar.set_description(f"epoch {self.epoch + 1}/{self.epochs} {self.figures(done)}")
             return
         if not due or not self.log_every:
             return
         self.last_print = now
-        # float(loss) waits for the device: only here, never on every step.
         log.info("Epoch [%d/%d], Step [%d/%d], %s", self.epoch + 1, self.epochs, step, self.steps,
-                 self.figures(step, float(loss.detach()), data_s, compute_s))
+                 self.figures(done))
 
     def close(self) -> None:
         if self.bar is not None:

@@ -41,18 +41,14 @@ TB_PREFIX = "rj_tb_"
 
 
 class RunLog:
-    """Rank 0's writer for one run folder, on any storage; safe to call from the checkpoint upload
-    thread too (one lock).
+    """Rank 0's writer for one run folder, on any storage; one lock, for the upload thread too.
 
-    Object stores cannot append, so the JSON-lines files are held in memory (a line per epoch or
-    event: small) and written whole each time. A write that fails (storage unreachable, disk full)
-    is kept and tried again with the next one: an outage costs no training time and the files
-    catch up once the storage is back; `close` waits for them up to a deadline.
-
-    TensorBoard writes straight into <run>/tensorboard when the run folder is local; on object
-    storage into a temporary folder whose files are copied at every epoch, removed at `close` --
-    and, should the worker have been killed, by the next RunLog on that machine (a folder whose
-    process is gone).
+    Object stores cannot append, so the JSON-lines files are held in memory (small) and written
+    whole each time. A write that fails (storage unreachable, disk full) is kept and tried again
+    with the next one: an outage costs no training time; `close` waits for them up to a deadline.
+    TensorBoard writes into <run>/tensorboard when the run folder is local, else into a temporary
+    folder copied at every epoch and removed at `close` (or by the next RunLog on that machine,
+    should the worker have been killed).
     """
 
     def __init__(self, run_dir: Where):
@@ -78,10 +74,8 @@ class RunLog:
     def keep_epochs_up_to(self, last_epoch: int) -> None:
         """Drops rows of epochs that will be recomputed (after a restore from an older checkpoint)."""
         with self._lock:
-            rows = [r for r in self.history() if r.epoch <= last_epoch]
-            self._lines[METRICS_JSONL] = [dumps(r.to_dict()) for r in rows]
-            self._put_lines(METRICS_JSONL)
-            self._put(METRICS_CSV, self._csv(rows))
+            self._lines[METRICS_JSONL] = [dumps(r.to_dict()) for r in self.history() if r.epoch <= last_epoch]
+            self._put_metrics()
             self.flush()
 
     def event(self, name: str, **fields: Any) -> None:
@@ -93,8 +87,7 @@ class RunLog:
     def epoch(self, metrics: EpochMetrics) -> None:
         with self._lock:
             self._lines[METRICS_JSONL].append(dumps(metrics.to_dict()))
-            self._put_lines(METRICS_JSONL)
-            self._put(METRICS_CSV, self._csv(self.history()))
+            self._put_metrics()
             tb = self._writer()
             if tb is not None:
                 for key, value in metrics.to_dict().items():
@@ -106,15 +99,12 @@ class RunLog:
 
     def write_json(self, name: str, obj: Any) -> None:
         with self._lock:
-            self._put(name, dumps(obj, indent=2, sort_keys=True).encode())
+            self._pending[name] = dumps(obj, indent=2, sort_keys=True).encode()
             self.flush()
 
     # --- writing, and catching up after a storage fault ---
-    def _put(self, name: str, data: bytes) -> None:
-        self._pending[name] = data
-
     def _put_lines(self, name: str) -> None:
-        self._put(name, "".join(line + "\n" for line in self._lines[name]).encode())
+        self._pending[name] = "".join(line + "\n" for line in self._lines[name]).encode()
 
     def flush(self) -> bool:
         """Writes every pending file; False (and the files kept for later) if the storage fails."""
@@ -137,8 +127,10 @@ class RunLog:
             self.store.join(*name.split("/")).write_bytes(self._pending[name])
             del self._pending[name]
 
-    def _csv(self, rows: list[EpochMetrics]) -> bytes:
-        return csv_text([r.to_dict() for r in rows], list(EpochMetrics.__dataclass_fields__)).encode()
+    def _put_metrics(self) -> None:
+        self._put_lines(METRICS_JSONL)
+        rows = [r.to_dict() for r in self.history()]
+        self._pending[METRICS_CSV] = csv_text(rows, list(EpochMetrics.__dataclass_fields__)).encode()
 
     def _writer(self) -> Optional[Any]:
         """TensorBoard's writer: in the run folder itself, or in a temporary folder (object storage)."""
@@ -159,7 +151,7 @@ class RunLog:
             return
         for name in os.listdir(self._tb_dir):
             with open(os.path.join(self._tb_dir, name), "rb") as f:
-                self._put(f"{TENSORBOARD}/{name}", f.read())
+                self._pending[f"{TENSORBOARD}/{name}"] = f.read()
 
     def close(self, wait_s: float = 0.0) -> Optional[str]:
         """Writes what is left, retrying for up to `wait_s` seconds; the error if it could not."""

@@ -1,14 +1,11 @@
 """The stop request: how a run is asked to checkpoint where it is and stop (preemption, the time
-limit, Ctrl-C).
-
-The protocol, all of it here:
-  - asking:  `request(run_dir)` writes <run>/.preempt (a local folder or an object store); the
-             driver does it on SIGUSR1 (what slurm_ray_start.sh sends on SLURM's pre-timeout
-             signal), Ctrl-C and SIGTERM (`stop_on_signals`); a user may also create the file;
+limit, Ctrl-C). The protocol, all of it here:
+  - asking: `request(run_dir)` writes <run>/.preempt (local or object storage); the driver does it
+    on SIGUSR1 (what slurm_ray_start.sh sends on SLURM's pre-timeout signal), Ctrl-C and SIGTERM
+    (`stop_on_signals`); a user may also create the file;
   - a new start clears a request left by the previous (requeued) run: `clear(run_dir)`;
   - a sweep forwards its own request to the point that is running: `forward(sweep, point)`;
-  - the workers look for it through their step control (control.py), which answers STOP at the
-    same step on every rank.
+  - the workers look for it through their step control (control.py): STOP at the same step on every rank.
 """
 
 from __future__ import annotations
@@ -27,21 +24,17 @@ from .runfiles import STOP_FILE
 log = logging.getLogger("ray_job.stop")
 
 
-def path(run_dir: Where) -> storage.Location:
-    return storage.at(run_dir).join(STOP_FILE)
-
-
 def request(run_dir: Where) -> None:
-    path(run_dir).write_text(str(time.time()))
+    storage.at(run_dir).join(STOP_FILE).write_text(str(time.time()))
 
 
 def requested(run_dir: Where) -> bool:
-    return path(run_dir).exists()
+    return storage.at(run_dir).join(STOP_FILE).exists()
 
 
 def clear(run_dir: Where) -> None:
     """A requeued job must not stop at once because of its previous run's request."""
-    path(run_dir).delete()
+    storage.at(run_dir).join(STOP_FILE).delete()
 
 
 # What each signal is, to the user and to the exit code (core/exits.py).
@@ -50,21 +43,13 @@ SIGNALS = {signal.SIGUSR1: ("SIGUSR1", ExitCode.STOPPED), signal.SIGINT: ("Ctrl-
 
 
 class Signals:
-    """What the signals of one run asked for: the first SIGUSR1 (SLURM's pre-timeout signal, sent
-    on by slurm_ray_start.sh), SIGINT (Ctrl-C) or SIGTERM (`ray job stop`, a terminal closing)
-    writes the stop request -- the workers checkpoint where they are and stop; a second SIGINT or
-    SIGTERM aborts at once (KeyboardInterrupt in the main thread). `exit_code` says how to end."""
+    """What the signals of one run asked for: the first SIGUSR1, SIGINT or SIGTERM (`ray job stop`, a
+    terminal closing) writes the stop request; a second SIGINT or SIGTERM aborts at once
+    (KeyboardInterrupt in the main thread). `reason` and `exit_code`: the first signal's."""
 
     def __init__(self, run_dir: Where):
         self.run_dir, self.first = run_dir, None
-
-    @property
-    def exit_code(self) -> ExitCode:
-        return SIGNALS[self.first][1] if self.first is not None else ExitCode.STOPPED
-
-    @property
-    def reason(self) -> str:
-        return SIGNALS[self.first][0] if self.first is not None else "a stop request"
+        self.reason, self.exit_code = "a stop request", ExitCode.STOPPED
 
     def handle(self, signum, frame) -> None:
         if self.first is not None:
@@ -72,15 +57,16 @@ class Signals:
                 raise KeyboardInterrupt(f"second {SIGNALS[signum][0]}")
             return
         self.first = signum
-        again = "" if signum == signal.SIGUSR1 else f" ({SIGNALS[signum][0]} again to abort at once)"
+        self.reason, self.exit_code = SIGNALS[signum]
+        again = "" if signum == signal.SIGUSR1 else f" ({self.reason} again to abort at once)"
         try:
             request(self.run_dir)
         except storage.StorageError as e:
-            log.warning("%s: cannot write the stop request yet (%s); retrying", SIGNALS[signum][0], e)
+            log.warning("%s: cannot write the stop request yet (%s); retrying", self.reason, e)
             threading.Thread(target=_request_until_written, args=(self.run_dir,), name="stop-request",
                              daemon=True).start()
             return
-        log.info("%s: asked the workers to checkpoint and stop%s", SIGNALS[signum][0], again)
+        log.info("%s: asked the workers to checkpoint and stop%s", self.reason, again)
 
 
 @contextlib.contextmanager

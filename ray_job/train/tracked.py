@@ -1,4 +1,4 @@
-"""Experiment tracking of `train` runs (ray_job.tracking, MLflow), used by the run lifecycle
+"""Experiment tracking of `train` runs (ray_job.tracking, MLflow), in the run lifecycle
 (driver.run_in_folder) of `train`, the scaling sweep's points and Tune's trials alike:
 
     cfg = tracking.check(cfg)                      # preflight: exit 2 in seconds if the store fails
@@ -6,9 +6,8 @@
     rc = fit_and_summarise(cfg, started, [*t.callbacks()] if t else [])
     t.finish(rc)                                   # catch-up, files, model, status; never raises
 
-Everything the MLflow run gets at the end comes from the run folder (metrics.jsonl, config.json,
-summary.json, metrics.csv, the best checkpoint), so a run folder on s3:// works the same, and a run
-whose store was down at the end is completed by running the same command again.
+Everything the MLflow run gets at the end comes from the run folder, so a run folder on s3:// works
+the same, and a run whose store was down at the end is completed by running the same command again.
 """
 
 from __future__ import annotations
@@ -64,10 +63,9 @@ class Tracking:
 
 def start(cfg: TrainConfig, parent_id: Optional[str] = None, command: str = "train",
           settings: Optional[Settings] = None) -> Optional[Tracking]:
-    """The run's MLflow run (a child of `parent_id` when given), params and tags logged; None
-    without --mlflow. On a connected cluster, before any worker starts: a failure is exit 2.
-    `settings`: made on the user's driver (`Settings.of(cfg)`: its credentials) and handed to a
-    process that lacks the user's environment (a Tune trial's actor); default: from this one's."""
+    """The run's MLflow run (a child of `parent_id`), params and tags logged; None without --mlflow.
+    Before any worker starts: a failure is exit 2. `settings`: from this process's environment, or
+    made on the user's driver and handed to a process that lacks it (a Tune trial's actor)."""
     if not cfg.mlflow:
         return None
     from ..tracking.facts import cluster_tags, code_tags, run_params
@@ -151,9 +149,8 @@ def log_best_model(cfg: TrainConfig, run) -> Optional[str]:
 
 
 def open_parent(cfg: TrainConfig, folder: str, command: str, params: dict):
-    """The MLflow run of a sweep or a search (None without --mlflow): its points or trials are
-    its children (`start(point_cfg, parent_id=parent.run_id)`); its id is kept in `folder`, so a
-    requeued sweep continues it. A failure here is exit 2, before any point runs."""
+    """The MLflow run of a sweep or a search (None without --mlflow), parent of its points' or
+    trials' runs; kept in `folder`, so a requeued sweep continues it. A failure is exit 2."""
     if not cfg.mlflow:
         return None
     from ..tracking.facts import cluster_tags, code_tags

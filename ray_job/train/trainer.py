@@ -1,11 +1,15 @@
 """The Ray side of the driver: joining or starting a cluster, deciding the workers from what it
-holds, and building the TorchTrainer (scaling, storage, retention, failure handling)."""
+holds, building the TorchTrainer (scaling, storage, retention, failure handling); and the driver's
+account of a run: summary.json, the final table, "already finished", and the last words of a run
+that ends otherwise (aborted, out of resources, the storage failing)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -15,11 +19,17 @@ from ..cluster import raypriv, rayenv
 from ..cluster.ports import free_port
 from ..config import TrainConfig, choose_use_gpu
 from ..core.errors import UsageError
-from .checkpointer import Checkpointer
+from ..core.exits import ExitCode
+from ..storage import StorageError
+from . import metrics, stop
+from .checkpointer import SCORE_METRIC, SCORE_ORDER, saved_checkpoints
+from .runfiles import EVENTS_JSONL, METRICS_JSONL, SUMMARY_JSON, Event
+from .runlog import read_metrics
 
 log = logging.getLogger("ray_job.driver")
-# An elastic run may try a size that a lost node still seems to offer (the GCS takes a few
-# heartbeats to mark it dead); each try waits this long before Ray Train decides again.
+# How long one start of the worker group waits for its resources: --resource-wait-s for a fixed size;
+# an elastic run may try a size that a lost node still seems to offer (the GCS takes a few heartbeats
+# to mark it dead), so each try waits at most this long before Ray Train decides again.
 ELASTIC_START_TIMEOUT_S = 30.0
 # Before a restart Ray Train waits this long for the old group's workers to destroy their process
 # group, then kills them; a hung or lost worker never answers, and Ray's default (30 s) delayed
@@ -35,7 +45,7 @@ def connect(cfg: TrainConfig) -> None:
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     # Read by Ray Train's controller: how long a worker group may wait for its resources, and for
     # the old group's process group to be destroyed before a restart; and the workers' malloc.
-    wait_s = start_timeout_s(cfg)
+    wait_s = min(cfg.resource_wait_s, ELASTIC_START_TIMEOUT_S) if cfg.min_workers else cfg.resource_wait_s
     runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{wait_s:g}",
                                 "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PG_SHUTDOWN_TIMEOUT_S),
                                 **rayenv.worker_malloc(os.environ)}}
@@ -57,16 +67,11 @@ def workers_that_fit(cpus: float, gpus: float, nodes: Optional[list] = None) -> 
     just right now)."""
     import ray
 
-    total = 0
-    for node in ray.nodes() if nodes is None else nodes:
-        if not node.get("Alive"):
-            continue
-        res = node.get("Resources", {})
-        fit = int(res.get("CPU", 0) // cpus) if cpus else 10**6
-        if gpus:
-            fit = min(fit, int(res.get("GPU", 0) // gpus))
-        total += fit
-    return total
+    def fit(res: dict) -> int:
+        on_cpus = int(res.get("CPU", 0) // cpus) if cpus else 10**6
+        return min(on_cpus, int(res.get("GPU", 0) // gpus)) if gpus else on_cpus
+
+    return sum(fit(n.get("Resources", {})) for n in (ray.nodes() if nodes is None else nodes) if n.get("Alive"))
 
 
 def resolve_workers(cfg: TrainConfig) -> TrainConfig:
@@ -126,11 +131,14 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
     # come back; a start that times out (a size a dying node seemed to offer) is decided again.
     # Below --min-workers for --resource-wait-s the driver gives up too (BelowMinimum).
     workers = (cfg.min_workers, cfg.num_workers) if cfg.min_workers else cfg.num_workers
+    # Ray's backend (NCCL on GPUs, gloo on CPUs), but gloo for workers that share a GPU (NCCL refuses
+    # two ranks on one GPU)
+    backend = "gloo" if cfg.use_gpu and cfg.gpus_per_worker < 1 else None
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=cfg.to_dict(),
         # timeout_s: a stuck collective fails the step (gloo; NCCL's watchdog) instead of hanging
-        torch_config=TorchConfig(backend=backend(cfg), timeout_s=int(cfg.collective_timeout_s)),
+        torch_config=TorchConfig(backend=backend, timeout_s=int(cfg.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=bool(cfg.use_gpu),
                                      resources_per_worker=resources,
                                      elastic_resize_monitor_interval_s=cfg.grow_check_s),
@@ -138,7 +146,9 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
             name=cfg.name,
             storage_path=root.path,
             storage_filesystem=storage.for_ray(root, cfg.retry_storage_s),
-            checkpoint_config=CheckpointConfig(**Checkpointer.retention(cfg.keep_checkpoints)),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints,  # the best, and the latest
+                                               checkpoint_score_attribute=SCORE_METRIC,
+                                               checkpoint_score_order=SCORE_ORDER),
             failure_config=FailureConfig(max_failures=cfg.max_failures,
                                          controller_failure_limit=-1 if cfg.min_workers else 0),
             callbacks=[Quiet(), *callbacks],
@@ -146,18 +156,10 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
     )
 
 
-def start_timeout_s(cfg: TrainConfig) -> float:
-    """How long one start of the worker group waits for its resources (Ray Train's
-    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S): --resource-wait-s for a fixed size; an elastic start
-    may try a size that a lost node still seems to offer, so each try is shorter."""
-    return min(cfg.resource_wait_s, ELASTIC_START_TIMEOUT_S) if cfg.min_workers else cfg.resource_wait_s
-
-
 class BelowMinimum:
-    """Elastic runs: Ray Train waits without a time limit while fewer than --min-workers fit. This
-    is asked every few seconds during fit(); once the cluster has held fewer than --min-workers for
-    --resource-wait-s, it says what is missing (and the driver gives up: exit 5, as a fixed-size run
-    does)."""
+    """Elastic runs: Ray Train waits without a time limit while fewer than --min-workers fit. Asked
+    every few seconds during fit(), this says so once that lasted --resource-wait-s (and the driver
+    gives up: exit 5, as a fixed-size run does)."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg, self.since = cfg, None
@@ -174,7 +176,91 @@ class BelowMinimum:
         return f"below --min-workers {self.cfg.min_workers} for {self.cfg.resource_wait_s:g} s"
 
 
-def backend(cfg: TrainConfig) -> Optional[str]:
-    """torch.distributed's backend: Ray's choice (NCCL on GPUs, gloo on CPUs), except gloo for
-    workers that share a GPU (NCCL refuses two ranks on one GPU)."""
-    return "gloo" if cfg.use_gpu and cfg.gpus_per_worker < 1 else None
+def finished_summary(cfg: TrainConfig) -> Optional[dict]:
+    try:
+        summary = storage.read_json(storage.at(cfg.run_dir()).join(SUMMARY_JSON))
+    except FileNotFoundError:
+        return None
+    except StorageError as e:
+        raise UsageError(f"cannot read the run's summary: {e}") from None
+    done = summary.get("finished") and summary.get("epochs_completed", 0) >= cfg.epochs
+    return summary if done else None
+
+
+def announce_finished(cfg: TrainConfig) -> bool:
+    """Says so when this run already finished its epochs (the same command run again)."""
+    done = finished_summary(cfg)
+    if done is not None:
+        best = done.get("best_test_acc")
+        print(f"run {cfg.name!r} already finished {done['epochs_completed']} epochs (best test "
+              f"accuracy {'-' if best is None else f'{best:.4f}'}); results in {cfg.run_dir()}. Use "
+              f"a new --name, or more --epochs to continue it.")
+    return done is not None
+
+
+def latest_checkpoint(cfg: TrainConfig) -> Optional[str]:
+    run_dir = storage.at(cfg.run_dir())
+    name = max(saved_checkpoints(run_dir), default=None)  # names sort by time
+    return run_dir.join(name).uri if name else None
+
+
+def write_summary(cfg: TrainConfig, started: float, finished: bool, **extra) -> dict:
+    run_dir = storage.at(cfg.run_dir())
+    rows = read_metrics(run_dir.join(METRICS_JSONL))
+    events = storage.read_jsonl(run_dir.join(EVENTS_JSONL))
+    first = [e["time"] for e in events if e["event"] == Event.FIRST_STEP and e["time"] >= started]
+    last = rows[-1] if rows else None
+    summary = dict(name=cfg.name, run_dir=cfg.run_dir(), finished=finished,
+                   epochs_completed=last.epoch if last else 0, epochs=cfg.epochs,
+                   best_test_acc=max((r.test_acc for r in rows), default=None),
+                   final=last.to_dict() if last else None, wall_s=time.time() - started,
+                   time_to_first_step_s=(first[0] - started) if first else None,
+                   # first training step to the last evaluation, as in time-to-accuracy benchmarks
+                   train_wall_s=(last.time - first[0]) if first and last else None,
+                   num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, **extra)
+    storage.write_json(run_dir.join(SUMMARY_JSON), summary)
+    return summary
+
+
+def summary_table(cfg: TrainConfig) -> str:
+    return metrics.table(read_metrics(storage.at(cfg.run_dir()).join(METRICS_JSONL)))
+
+
+def aborted(cfg: TrainConfig, started: float, signals: stop.Signals) -> int:
+    """A second Ctrl-C or SIGTERM: no waiting for the checkpoint at the current step; the workers
+    end with this driver, and the last complete checkpoint stays the one to continue from."""
+    import ray
+
+    latest = latest_checkpoint(cfg)
+    with contextlib.suppress(StorageError):
+        write_summary(cfg, started, finished=False, stopped=f"{signals.reason}, aborted", latest_checkpoint=latest)
+    ray.shutdown()
+    saved = f"the last complete checkpoint is {latest}" if latest else "no checkpoint was complete yet"
+    print(f"error: aborted by a second {signals.reason} without a new checkpoint; {saved}. Run the same "
+          f"command again to continue from it.", file=sys.stderr)
+    return signals.exit_code
+
+
+def resources_lost(cfg: TrainConfig, started: float) -> int:
+    """The workers did not fit for --resource-wait-s (a node lost, or the cluster busy): say what
+    is missing and exit NO_RESOURCES (5); the checkpoints saved so far stay, nothing new is."""
+    missing = missing_resources(cfg)
+    latest = latest_checkpoint(cfg)
+    with contextlib.suppress(StorageError):
+        write_summary(cfg, started, finished=False, latest_checkpoint=latest,
+                      error=f"no resources for {cfg.resource_wait_s:g} s: {missing}")
+    saved = f"last checkpoint: {latest}" if latest else "no checkpoint yet"
+    print(f"error: waited {cfg.resource_wait_s:g} s (--resource-wait-s) for the workers: {missing}. "
+          f"Nothing new was saved ({saved}); run the same command when the nodes are back (under "
+          f"SLURM the job is requeued), or use --min-workers to go on with fewer", file=sys.stderr)
+    return ExitCode.NO_RESOURCES
+
+
+def storage_failed(cfg: TrainConfig, started: float, error: str, latest: Optional[str]) -> int:
+    """The storage failed at the end (after --retry-storage-s): say what was saved, exit 1."""
+    with contextlib.suppress(StorageError):
+        write_summary(cfg, started, finished=False, error=error, latest_checkpoint=latest)
+    saved = f"Last checkpoint saved: {latest}" if latest else "Ray keeps the last checkpoint it recorded"
+    print(f"error: storage failed: {error}. {saved}; once the storage works again, run the same "
+          f"command: it continues from there", file=sys.stderr)
+    return ExitCode.FAILED

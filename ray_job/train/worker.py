@@ -3,13 +3,9 @@
 Ray appears only where it must: prepare_model and prepare_data_loader (build.ray_placement),
 get_context, get_checkpoint and report (`ray_link`); from `train_run` down it runs without Ray
 (tests/test_worker_loop.py). After each step the step control answers one `Decision` (control.py)
-and `Loop.act` carries it out; the checkpointer saves, verifies, records and reports (checkpointer.py).
-
-Storage faults: a checkpoint that cannot be saved is logged and skipped -- never reported, so never
-taken as the latest -- and training goes on; the next checkpoint tries again, and the run files
-catch up once the storage is back. The final checkpoint (end of run, stop request) is retried for up
-to --retry-storage-s seconds; if it still fails, the run ends with that error and the same command
-later resumes from the last checkpoint that was saved.
+and `Loop.act` carries it out; the checkpointer saves, verifies, records and reports (checkpointer.py,
+which also says what a storage fault costs). A final checkpoint that could not be saved ends the run
+with its error; the same command later resumes from the last checkpoint that was.
 """
 
 from __future__ import annotations
@@ -186,26 +182,23 @@ class Loop:
 
     def act(self, decision: Decision, done: int, step: int) -> Optional[dict]:
         """The one place a decision is carried out, the same on every rank: report rank 0's finished
-        upload, then checkpoint here; after a stop's checkpoint, the outcome."""
+        upload, then checkpoint here -- reported with the epoch's metrics at an epoch's end, else with
+        the position (UNSCORED: never the best); after a stop's checkpoint, the outcome."""
+        stop = decision.stop
         if decision.report_saved:
             self.checkpointer.report_saved()
-        if decision.stop or decision.checkpoint:
-            self.save_at(done, step, stop=decision.stop)
-        return self.outcome(done, step, stopped=True) if decision.stop else None
-
-    def save_at(self, done: int, step: int, stop: bool) -> None:
-        """A checkpoint at this position, reported with the epoch's metrics at an epoch's end, else
-        with the position (UNSCORED: never the best). The final one is written before it returns."""
-        final = stop or (done, step) == (self.cfg.epochs, 0)
-        if stop:
-            log.info("stop requested: checkpoint at %s, stopping", where(done, step))
-        elif step:
-            log.info("checkpoint after %g min: %s", self.cfg.checkpoint_every_min, where(done, step))
-        report = (self.finished.to_dict() if step == 0 else
-                  dict(epoch=done, step=step, preempted=stop, test_acc=UNSCORED))
-        error = self.checkpointer.save(partial(self.run.state, done, step, self.finished), report, final=final)
-        self.storage_error = self.storage_error or error
-        self.control.checkpointed()
+        if stop or decision.checkpoint:
+            if stop:
+                log.info("stop requested: checkpoint at %s, stopping", where(done, step))
+            elif step:
+                log.info("checkpoint after %g min: %s", self.cfg.checkpoint_every_min, where(done, step))
+            report = (self.finished.to_dict() if step == 0 else
+                      dict(epoch=done, step=step, preempted=stop, test_acc=UNSCORED))
+            final = stop or (done, step) == (self.cfg.epochs, 0)  # written before save() returns
+            error = self.checkpointer.save(partial(self.run.state, done, step, self.finished), report, final=final)
+            self.storage_error = self.storage_error or error
+            self.control.checkpointed()
+        return self.outcome(done, step, stopped=True) if stop else None
 
     def outcome(self, done: int, step: int, stopped: bool) -> dict:
         """The loop's result; rank 0 writes the run files that are left and adds a storage error."""
