@@ -1,6 +1,7 @@
 """A file or folder of a run: a pyarrow filesystem and a path on it (local folder, s3://..., or
 another pyarrow.fs URI). Everything the project reads or writes in a run folder goes through a
-`Location`, never through `open()` on a path that might be a URI."""
+`Location`, never through `open()` on a path that might be a URI; strict JSON files on it, replaced as a
+whole."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, Optional, Union
 import pyarrow
 import pyarrow.fs as pafs
 
+from ..core.jsonio import dumps, loads
 from .faults import StorageError, faults, reason
 from .s3 import S3Settings, s3_filesystem
 
@@ -203,3 +205,19 @@ def filesystem(uri: str, checking: bool = False) -> Any:
         return pafs.FileSystem.from_uri(uri)[0]
     except (OSError, pyarrow.ArrowException) as e:
         raise StorageError(f"{_safe(uri)}: {reason(e)}") from None
+
+
+def read_json(path: Where) -> Any:
+    return loads(at(path).read_text())
+
+
+def read_jsonl(path: Where) -> list[dict]:
+    try:
+        text = at(path).read_text()
+    except FileNotFoundError:
+        return []
+    return [loads(line) for line in text.splitlines() if line.strip()]
+
+
+def write_json(path: Where, obj: Any) -> None:
+    at(path).write_text(dumps(obj, indent=2, sort_keys=True))

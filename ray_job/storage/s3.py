@@ -78,9 +78,13 @@ class S3Settings:
 
 def s3_filesystem(settings: S3Settings, bucket: str, checking: bool = False) -> pafs.S3FileSystem:
     """An S3FileSystem for this endpoint; short timeouts and one retry when `checking`."""
-    region = settings.region
+    region = settings.region or ("us-east-1" if settings.endpoint else None)
     if region is None:
-        region = "us-east-1" if settings.endpoint else _aws_region(bucket)
+        try:
+            region = pafs.resolve_s3_region(bucket)
+        except (OSError, pyarrow.ArrowException) as e:
+            raise StorageError(f"cannot find the AWS region of bucket {bucket!r} ({reason(e)}); set "
+                               f"AWS_REGION, or AWS_ENDPOINT_URL_S3 for an S3-compatible store") from None
     connect, request, attempts = ((CHECK_CONNECT_TIMEOUT_S, CHECK_REQUEST_TIMEOUT_S, CHECK_ATTEMPTS)
                                   if checking else (CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, ATTEMPTS))
     kw: dict[str, Any] = dict(region=region, scheme=settings.scheme, connect_timeout=connect,
@@ -93,10 +97,3 @@ def s3_filesystem(settings: S3Settings, bucket: str, checking: bool = False) -> 
                   session_token=settings.token)
     return pafs.S3FileSystem(**kw)
 
-
-def _aws_region(bucket: str) -> str:
-    try:
-        return pafs.resolve_s3_region(bucket)
-    except (OSError, pyarrow.ArrowException) as e:
-        raise StorageError(f"cannot find the AWS region of bucket {bucket!r} ({reason(e)}); set "
-                           f"AWS_REGION, or AWS_ENDPOINT_URL_S3 for an S3-compatible store") from None
