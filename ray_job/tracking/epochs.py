@@ -35,7 +35,3 @@ def metric_values(rows: Iterable[dict], after: int = 0) -> list[tuple[str, float
             if math.isfinite(value):
                 out.append((key, float(value), stamp, epoch))
     return out
-
-
-def last_epoch(values: list[tuple[str, float, int, int]], before: int) -> int:
-    return max((step for *_, step in values), default=before)

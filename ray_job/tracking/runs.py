@@ -14,9 +14,8 @@ from typing import Any, Optional
 from .. import storage
 from ..core.errors import UsageError
 from ..storage import Location, StorageError
-from .check import experiment_id, make_client
 from .epochs import EPOCH_KEY, metric_values
-from .settings import Settings
+from .settings import Settings, experiment_id, make_client
 
 log = logging.getLogger("ray_job.tracking")
 BATCH = 100  # MLflow takes at most 100 params (and 1000 metrics) per call
@@ -109,7 +108,7 @@ class TrackedRun:
     def finish(self, status: str, **record: Any) -> None:
         """The run's status (FINISHED, KILLED: stopped, to be continued; FAILED) and its record."""
         self.client.set_terminated(self.run_id, status)
-        write_state(self.state, {**read_state(self.state), "status": status, **record})
+        storage.write_json(self.state, {**read_state(self.state), "status": status, **record})
 
 
 def open_run(settings: Settings, state: Location, name: str, parent_id: Optional[str] = None,
@@ -126,8 +125,8 @@ def open_run(settings: Settings, state: Location, name: str, parent_id: Optional
         run = client.create_run(exp, run_name=name, tags={"mlflow.runName": name, **parent})
     else:
         client.update_run(run.info.run_id, status="RUNNING")
-    write_state(state, dict(tracking_uri=settings.uri, experiment=settings.experiment,
-                            experiment_id=exp, run_id=run.info.run_id, run_name=name, status="RUNNING"))
+    storage.write_json(state, dict(tracking_uri=settings.uri, experiment=settings.experiment,
+                                   experiment_id=exp, run_id=run.info.run_id, run_name=name, status="RUNNING"))
     tracked = TrackedRun(settings, run.info.run_id, state, was_continued, client)
     if tags:
         tracked.set_tags(tags)
@@ -162,7 +161,3 @@ def read_state(state: Location) -> dict:
         return {}
     except (StorageError, ValueError) as e:
         raise UsageError(f"cannot read {state.uri}: {e}") from None
-
-
-def write_state(state: Location, record: dict) -> None:
-    storage.write_json(state, record)
