@@ -33,9 +33,9 @@ s3://...` is staged once per node into a local cache first (`stage`), through ra
 from .format import DEFAULT_SHARD_MB, MANIFEST, META_KEY, files_complete, read_manifest, sha256
 from .read import PreparedImages, open_manifest
 from .sources import Source, cifar10_source, imagefolder_source
-from .stage import cache_root, local_folder, remote_manifest, stage
+from .stage import cache_root, remote_manifest, stage
 from .write import ensure_prepared, write_prepared
 
 __all__ = ["DEFAULT_SHARD_MB", "MANIFEST", "META_KEY", "PreparedImages", "sha256", "Source", "cache_root",
-           "cifar10_source", "ensure_prepared", "files_complete", "imagefolder_source", "local_folder", "open_manifest",
+           "cifar10_source", "ensure_prepared", "files_complete", "imagefolder_source", "open_manifest",
            "read_manifest", "remote_manifest", "stage", "write_prepared"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from typing import Any, Optional
 
 import numpy as np
@@ -11,6 +12,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
+from ..arrays import identity
 from ..errors import DataError
 from .format import EVAL_RESIZE, MANIFEST, files_complete, prepare_hint, read_manifest
 
@@ -33,10 +35,6 @@ def open_manifest(folder: str) -> dict:
     return manifest
 
 
-def _identity(batch):
-    return batch
-
-
 class PreparedImages(Dataset):
     """One split of a prepared folder, read through memory maps, a batch at a time.
 
@@ -44,7 +42,7 @@ class PreparedImages(Dataset):
     is only the folder and the settings. `__getitems__` returns uint8 (B, S, S, 3) and int64 labels.
     """
 
-    collate_fn = staticmethod(_identity)
+    collate_fn = staticmethod(identity)
 
     def __init__(self, folder: str, split: str, image_size: int, train: bool,
                  manifest: Optional[dict] = None):
@@ -100,15 +98,6 @@ class PreparedImages(Dataset):
         offsets = np.frombuffer(image.buffers()[1], np.int32, len(image) + 1, image.offset * 4)
         return (offsets, np.frombuffer(image.buffers()[2], np.uint8)), labels
 
-    @staticmethod
-    def _tensor_view(chunk: tuple) -> tuple:
-        """torch tensors over the mapped pages (read-only memory: only ever read from)."""
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
-            return torch.from_numpy(chunk[0]), torch.from_numpy(chunk[1])
-
     def __getitem__(self, i: int):
         images, labels = self.__getitems__([i])
         return images[0], labels[0]
@@ -116,17 +105,17 @@ class PreparedImages(Dataset):
     def __getitems__(self, indices: list[int]):
         starts, chunks = self._open()
         idx = np.asarray(indices, dtype=np.int64)
-        which = np.searchsorted(starts, idx, side="right") - 1
-        labels = np.empty(len(idx), np.int64)
-        if self.device_crop:
-            g = self.manifest["geometry"]
-            out = np.empty((len(idx), g["height"], g["width"], g["channels"]), np.uint8)
-        else:
-            out = np.empty((len(idx), self.image_size, self.image_size, 3), np.uint8)
         if len(chunks) == 1 and self.device_crop:  # one shard: the in-memory path's own gather
-            images, chunk_labels = self._tensor_view(chunks[0])
+            with warnings.catch_warnings():  # tensors over the mapped pages, only ever read from
+                warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+                images, chunk_labels = (torch.from_numpy(a) for a in chunks[0])
             picked = torch.from_numpy(idx)
             return images.index_select(0, picked), chunk_labels.index_select(0, picked).long()
+        which = np.searchsorted(starts, idx, side="right") - 1
+        labels = np.empty(len(idx), np.int64)
+        g = self.manifest["geometry"]
+        size = (g["height"], g["width"], g["channels"]) if self.device_crop else (self.image_size, self.image_size, 3)
+        out = np.empty((len(idx), *size), np.uint8)
         for c in np.unique(which):
             mask = which == c
             local = idx[mask] - starts[c]

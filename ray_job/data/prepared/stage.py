@@ -9,7 +9,6 @@ import json
 import os
 
 from ... import storage
-from ...core.paths import is_uri
 from ..errors import DataError
 from .format import FORMAT, MANIFEST, SPLITS, files_complete, prepare_hint, read_manifest, write_json_atomic
 
@@ -80,8 +79,3 @@ def _fetch(src: storage.Location, dest: str, entry: dict) -> None:
         raise DataError(f"{src.uri} does not match its manifest (SHA-256); upload the prepared "
                         f"folder again")
     os.replace(tmp, dest)
-
-
-def local_folder(data_dir: str) -> str:
-    """The local prepared folder for --data-dir: itself, or its node-local copy for a URI."""
-    return stage(data_dir) if is_uri(data_dir) else data_dir
