@@ -15,7 +15,7 @@ from .. import storage
 from ..core.errors import UsageError
 from ..storage import Location, StorageError
 from .epochs import EPOCH_KEY, metric_values
-from .settings import Settings, experiment_id, make_client
+from .settings import Settings, experiment_id, make_client, set_env
 
 log = logging.getLogger("ray_job.tracking")
 BATCH = 100  # MLflow takes at most 100 params (and 1000 metrics) per call
@@ -98,11 +98,7 @@ class TrackedRun:
             quiet.setLevel(level)
             mlflow.set_tracking_uri(saved["MLFLOW_TRACKING_URI"] or "")
             mlflow.set_registry_uri(saved["MLFLOW_REGISTRY_URI"] or "")
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            set_env(saved)
         return info.model_uri
 
     def finish(self, status: str, **record: Any) -> None:

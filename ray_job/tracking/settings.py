@@ -85,15 +85,6 @@ def resolve_uri(cfg: TrainConfig, env: Optional[dict] = None) -> TrainConfig:
     return dataclasses.replace(cfg, mlflow_uri=bare)
 
 
-def client_defaults() -> None:
-    """What every process of ours that talks to MLflow sets before importing it (the user's own
-    settings win): no usage telemetry sent out, HTTP calls that give up in seconds."""
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    for key, value in PATIENT.items():
-        if key not in USER_HTTP:
-            os.environ[key] = value
-
-
 @contextlib.contextmanager
 def http_settings(values: Mapping[str, str]) -> Iterator[None]:
     """MLflow's HTTP settings (read at each request) set to `values` for the block, except those
@@ -103,20 +94,16 @@ def http_settings(values: Mapping[str, str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        set_env(saved)
 
 
-def apply_credentials(credentials: Mapping[str, str]) -> None:
-    """In the controller's process: exactly the driver's credentials (not what its env holds)."""
-    for key in CREDENTIAL_VARS:
-        if key in credentials:
-            os.environ[key] = credentials[key]
-        else:
+def set_env(values: Mapping[str, Optional[str]]) -> None:
+    """Sets these environment variables of this process; None unsets one."""
+    for key, value in values.items():
+        if value is None:
             os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def check(cfg: TrainConfig) -> TrainConfig:
@@ -151,10 +138,12 @@ def experiment_id(settings: Settings) -> str:
 
 
 def make_client(settings: Settings):
-    """A client of the store, in any process of ours (the driver, a Tune trial's actor): the
-    settings' credentials set as MLflow reads them."""
-    apply_credentials(settings.credentials)
-    client_defaults()
+    """A client of the store, in any process of ours (the driver, a Tune trial's actor, Ray Train's
+    controller): exactly the settings' credentials set as MLflow reads them (not the env's), and before
+    MLflow is imported (the user's own settings win): no usage telemetry, HTTP calls that give up in seconds."""
+    set_env({k: settings.credentials.get(k) for k in CREDENTIAL_VARS})
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.update({k: v for k, v in PATIENT.items() if k not in USER_HTTP})
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=settings.uri, registry_uri=settings.uri)
