@@ -14,9 +14,8 @@ from .arrays import ArrayDataset, Split, TorchvisionDataset
 from .cifar10 import ensure_cifar10, load_cifar10
 from .errors import DataError
 from .prepared.format import prepare_hint
-from .prepared.read import PreparedImages
+from .prepared.read import PreparedImages, remote_manifest, stage
 from .prepared.sources import imagefolder_source
-from .prepared.stage import remote_manifest, stage
 from .prepared.write import ensure_prepared
 from .synthetic import make_synthetic
 

@@ -6,9 +6,8 @@ Everything the driver and rank 0 write or read there -- config.json, summary.jso
 topology, TensorBoard files, checkpoints, the stop request, the scaling outputs -- goes through a
 `Location` (a filesystem object and a path on it).
 
-  s3         S3 settings from the AWS variables, the S3FileSystem
   faults     StorageError (one line, no credentials), retrying; the retrying filesystem handed to Ray
-  location   Location, `at(path or URI)`, strict JSON files on any storage
+  location   Location, `at(path or URI)`, S3 settings from the AWS variables, strict JSON files
   check      the driver's fail-fast check (`python -m ray_job.storage check URI`)
 """
 

@@ -18,8 +18,7 @@ import pyarrow
 import pyarrow.fs as pafs
 
 from .faults import StorageError, reason
-from .location import Location, _safe, _scheme, at, check_uri, filesystem, fs_path
-from .s3 import S3Settings
+from .location import Location, S3Settings, _safe, _scheme, at, check_uri, filesystem, fs_path
 
 
 def check_writable(where: str) -> Location:

@@ -21,12 +21,10 @@ from .sources import Source, decide_geometry
 
 
 class ShardWriter:
-    """Writes one split as <split>-NNNNN.arrow files of about `shard_bytes`, each under a temporary
-    name until it is complete; `entries` lists the finished ones for the manifest.
-
+    """One split as <split>-NNNNN.arrow files of about `shard_bytes` (`entries`: the finished ones).
     A shard is one record batch: its images are one contiguous region of the file, so a reader
-    gathers a batch of indices from it with a single indexing operation (the writer holds one
-    shard in memory, --shard-mb)."""
+    gathers a batch of indices from it with a single indexing operation (the writer holds one shard
+    in memory, --shard-mb)."""
 
     def __init__(self, out: str, split: str, schema: pa.Schema, shard_bytes: int):
         self.out, self.split, self.schema, self.shard_bytes = out, split, schema, shard_bytes
@@ -173,26 +171,21 @@ def _swap_in(tmp: str, out: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prepared_matches(out: str, source: Source) -> bool:
-    manifest = read_manifest(out) if os.path.isdir(out) else None
-    return (manifest is not None and manifest["source"]["kind"] == source.kind
-            and manifest["source"]["fingerprint"] == source.fingerprint
-            and files_complete(out, manifest) is None)
-
-
 def ensure_prepared(source: Source, out: str, shard_mb: float = DEFAULT_SHARD_MB,
                     progress: bool = True) -> tuple[dict, bool]:
     """(manifest, whether it was written now): prepares `out` unless it already holds this source;
     one process at a time per folder (a file lock beside it)."""
     from filelock import FileLock
 
-    parent = os.path.dirname(os.path.abspath(out))
+    parent, name = os.path.split(os.path.abspath(out))
     try:
         os.makedirs(parent, exist_ok=True)
-        lock = FileLock(os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.lock"))
-        with lock:
-            if prepared_matches(out, source):
-                return read_manifest(out), False
+        with FileLock(os.path.join(parent, f".{name}.lock")):
+            manifest = read_manifest(out) if os.path.isdir(out) else None
+            if (manifest is not None and manifest["source"]["kind"] == source.kind
+                    and manifest["source"]["fingerprint"] == source.fingerprint
+                    and files_complete(out, manifest) is None):
+                return manifest, False
             return write_prepared(source, out, shard_mb, progress), True
     except PermissionError as e:
         raise DataError(f"cannot write the prepared data at {out} ({e.strerror}); run `python -m "
