@@ -22,8 +22,7 @@ from .location import Location, S3Settings, _safe, _scheme, at, check_uri, files
 
 
 def check_writable(where: str) -> Location:
-    """Fails in seconds, with one line saying what to fix, unless this storage takes a write:
-    endpoint unreachable, credentials refused, bucket missing, no write permission."""
+    """Fails in seconds, with one StorageError line saying what to fix, unless this storage takes a write."""
     local = "://" not in where
     if not local and _scheme(where) in ("s3", "s3a"):
         check_uri(where)
@@ -82,8 +81,6 @@ def _code(e: BaseException) -> str:
 
 
 UNREACHABLE = ("NETWORK_CONNECTION", "REQUEST_TIMEOUT", "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE")
-
-
 REFUSED = ("SIGNATURE_DOES_NOT_MATCH", "INVALID_ACCESS_KEY_ID", "EXPIRED_TOKEN",
            "INVALID_CLIENT_TOKEN_ID", "MISSING_AUTHENTICATION_TOKEN", "UNRECOGNIZED_CLIENT")
 

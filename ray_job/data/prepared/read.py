@@ -43,11 +43,8 @@ def open_manifest(folder: str) -> dict:
 
 
 class PreparedImages(Dataset):
-    """One split of a prepared folder, read through memory maps, a batch at a time.
-
-    The files are opened lazily in each process (DataLoader workers included), so what is pickled
-    is only the folder and the settings. `__getitems__` returns uint8 (B, S, S, 3) and int64 labels.
-    """
+    """The files are opened lazily in each process (DataLoader workers included), so what is pickled
+    is only the folder and the settings. `__getitems__` returns uint8 (B, S, S, 3) and int64 labels."""
 
     collate_fn = staticmethod(identity)
 
