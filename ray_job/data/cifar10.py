@@ -76,7 +76,7 @@ def load_cifar10(data_dir: str, train: bool) -> Split:
     return Split(torch.from_numpy(array), torch.tensor(labels, dtype=torch.int64), CIFAR10_CLASSES)
 
 
-def write_cifar10(data_dir: str, train: Split, test: Split, per_file: int = 10000) -> None:
+def write_cifar10(data_dir: str, train: Split, test: Split) -> None:
     """Writes splits in the exact cifar-10-batches-py format (used by tests and prepare-data)."""
     folder = os.path.join(data_dir, CIFAR10_FOLDER)
     os.makedirs(folder, exist_ok=True)

@@ -113,8 +113,7 @@ def open_run(settings: Settings, state: Location, name: str, parent_id: Optional
     (a child of `parent_id` when given)."""
     client = make_client(settings)
     exp = experiment_id(settings)
-    record = read_state(state)
-    run = continued_run(client, settings, record)
+    run = continued_run(client, settings, read_state(state))
     was_continued = run is not None
     if run is None:
         parent = {"mlflow.parentRunId": parent_id} if parent_id else {}
