@@ -47,11 +47,8 @@ def cluster_tags() -> dict:
 def run_params(cfg: TrainConfig) -> dict:
     """The resolved config (flat already: one param per field), the world size and the batch rule."""
     world = cfg.num_workers
-    params: dict[str, Any] = dict(cfg.to_dict())
-    params.update(world_size=world, per_worker_batch=cfg.per_worker_batch(world),
-                  global_batch=cfg.global_batch(world), scaled_lr=cfg.scaled_lr(world),
-                  batch_rule=batch_rule(cfg, world))
-    return params
+    return dict(cfg.to_dict(), world_size=world, per_worker_batch=cfg.per_worker_batch(world),
+                global_batch=cfg.global_batch(world), scaled_lr=cfg.scaled_lr(world), batch_rule=batch_rule(cfg, world))
 
 
 def batch_rule(cfg: TrainConfig, world: int) -> str:
