@@ -213,7 +213,7 @@ def test_settings_from_a_profile_and_the_endpoint_variables(s3, tmp_path):
     proc = subprocess.run(check, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "AWS_PROFILE=nobody" in one_error_line(proc.stderr)
 
-    from ray_job.storage.s3 import S3Settings
+    from ray_job.storage.location import S3Settings
 
     settings = S3Settings.from_env(s3.env())
     assert settings.endpoint == s3.endpoint.split("://")[1] and settings.scheme == "http"

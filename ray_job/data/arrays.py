@@ -31,14 +31,14 @@ class Split:
         return len(self.labels)
 
 
-def _identity(batch):
+def identity(batch):  # collate_fn of the datasets whose __getitems__ returns the whole batch
     return batch
 
 
 class ArrayDataset(Dataset):
     """uint8 images fetched a batch at a time; augmentation happens later, on the device."""
 
-    collate_fn = staticmethod(_identity)
+    collate_fn = staticmethod(identity)
 
     def __init__(self, split: Split):
         self.images, self.labels = split.images, split.labels
@@ -73,7 +73,3 @@ class TorchvisionDataset(Dataset):
         from PIL import Image
 
         return self.transform(Image.fromarray(self.images[i])), self.labels[i]
-
-
-def build_dataset(split: Split, train: bool, fast: bool) -> Dataset:
-    return ArrayDataset(split) if fast else TorchvisionDataset(split, train)

@@ -14,20 +14,10 @@ from .errors import DataError
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
                    "dog", "frog", "horse", "ship", "truck")
-
-
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-
-
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
-
-
 CIFAR10_FOLDER = "cifar-10-batches-py"
-
-
 CIFAR10_TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
-
-
 CIFAR10_TEST_FILES = ["test_batch"]
 
 
@@ -86,7 +76,7 @@ def load_cifar10(data_dir: str, train: bool) -> Split:
     return Split(torch.from_numpy(array), torch.tensor(labels, dtype=torch.int64), CIFAR10_CLASSES)
 
 
-def write_cifar10(data_dir: str, train: Split, test: Split, per_file: int = 10000) -> None:
+def write_cifar10(data_dir: str, train: Split, test: Split) -> None:
     """Writes splits in the exact cifar-10-batches-py format (used by tests and prepare-data)."""
     folder = os.path.join(data_dir, CIFAR10_FOLDER)
     os.makedirs(folder, exist_ok=True)

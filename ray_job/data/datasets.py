@@ -10,25 +10,16 @@ from torch.utils.data import Dataset
 
 from ..config import TrainConfig
 from ..core.paths import is_uri
-from .arrays import Split, build_dataset
+from .arrays import ArrayDataset, Split, TorchvisionDataset
 from .cifar10 import ensure_cifar10, load_cifar10
 from .errors import DataError
 from .prepared.format import prepare_hint
-from .prepared.read import PreparedImages
+from .prepared.read import PreparedImages, remote_manifest, stage
 from .prepared.sources import imagefolder_source
-from .prepared.stage import local_folder, remote_manifest
 from .prepared.write import ensure_prepared
 from .synthetic import make_synthetic
 
 IMAGEFOLDER_CACHE = ".ray_job_prepared"
-
-
-def imagefolder_cache(data_dir: str, progress: bool = False) -> str:
-    """DIR/.ray_job_prepared: DIR/{train,test}/<class>/* prepared once (file lock, then the manifest's
-    fingerprint says it matches the images), so imagefolder data takes the prepared path."""
-    out = os.path.join(data_dir, IMAGEFOLDER_CACHE)
-    ensure_prepared(imagefolder_source(data_dir), out, progress=progress)
-    return out
 
 
 def load_splits(cfg: TrainConfig) -> tuple[Split, Split]:
@@ -53,10 +44,14 @@ def load_splits(cfg: TrainConfig) -> tuple[Split, Split]:
 
 
 def prepared_folder(cfg: TrainConfig, progress: bool = False) -> str:
-    """The local prepared folder of --data prepared / imagefolder (staged first for a URI)."""
-    if cfg.data == "imagefolder":
-        return imagefolder_cache(cfg.data_dir, progress)
-    return local_folder(cfg.data_dir)
+    """The local prepared folder of --data prepared (staged first for a URI), or imagefolder's
+    DIR/.ray_job_prepared: DIR/{train,test}/<class>/* prepared once (file lock, then the manifest's
+    fingerprint says it matches the images), so imagefolder data takes the prepared path."""
+    if cfg.data != "imagefolder":
+        return stage(cfg.data_dir) if is_uri(cfg.data_dir) else cfg.data_dir
+    out = os.path.join(cfg.data_dir, IMAGEFOLDER_CACHE)
+    ensure_prepared(imagefolder_source(cfg.data_dir), out, progress=progress)
+    return out
 
 
 def check_data(cfg: TrainConfig) -> None:
@@ -103,9 +98,10 @@ def load_datasets(cfg: TrainConfig) -> Datasets:
     fast = cfg.loader != "torchvision"
     if cfg.data in ("synthetic", "cifar10"):
         train, test = load_splits(cfg)
-        return Datasets(build_dataset(train, True, fast), build_dataset(test, False, fast),
-                        train.classes, "crop" if fast else "none", not fast,
-                        "in-memory uint8" if fast else "torchvision per-sample")
+        if fast:
+            return Datasets(ArrayDataset(train), ArrayDataset(test), train.classes, "crop", False, "in-memory uint8")
+        return Datasets(TorchvisionDataset(train, True), TorchvisionDataset(test, False), train.classes, "none", True,
+                        "torchvision per-sample")
     folder = prepared_folder(cfg)
     train_ds = PreparedImages(folder, "train", cfg.image_size, True)
     test_ds = PreparedImages(folder, "test", cfg.image_size, False, train_ds.manifest)

@@ -10,11 +10,9 @@ from .arrays import Split
 
 
 def make_synthetic(n: int, seed: int, train: bool, num_classes: int = 10) -> Split:
-    """A learnable CIFAR-shaped set: each class has its own colour and stripe pattern, plus noise.
-
-    Colour survives crops and flips, so a model that learns anything beats 10%; the noise keeps it
-    from being trivial. Train and test are different draws of the same classes.
-    """
+    """Each class has its own colour and stripe pattern, plus noise: colour survives crops and flips, so
+    a model that learns anything beats 10%; the noise keeps it from being trivial. Train and test are
+    different draws of the same classes."""
     g = torch.Generator().manual_seed(seed)
     palette = torch.rand(num_classes, 3, generator=g) * 160 + 48          # class colours
     freq = torch.arange(num_classes, dtype=torch.float32) % 5 + 1          # class stripes

@@ -6,19 +6,14 @@ Everything the driver and rank 0 write or read there -- config.json, summary.jso
 topology, TensorBoard files, checkpoints, the stop request, the scaling outputs -- goes through a
 `Location` (a filesystem object and a path on it).
 
-  s3         S3 settings from the AWS variables, the S3FileSystem
-  faults     StorageError (one line, no credentials), retrying
-  location   Location, `at(path or URI)`
-  jsonfiles  strict JSON files on any storage
-  for_ray    the retrying filesystem handed to Ray
+  faults     StorageError (one line, no credentials), retrying; the retrying filesystem handed to Ray
+  location   Location, `at(path or URI)`, S3 settings from the AWS variables, strict JSON files
   check      the driver's fail-fast check (`python -m ray_job.storage check URI`)
 """
 
 from .check import check_writable
-from .faults import StorageError, faults, reason, retrying
-from .for_ray import for_ray, unwrap
-from .jsonfiles import read_json, read_jsonl, write_json
-from .location import CHUNK, Location, Where, at, filesystem, fs_path
+from .faults import StorageError, faults, for_ray, reason, retrying, unwrap
+from .location import CHUNK, Location, Where, at, filesystem, fs_path, read_json, read_jsonl, write_json
 
 __all__ = ["CHUNK", "Location", "StorageError", "Where", "at", "check_writable", "faults", "filesystem",
            "for_ray", "fs_path", "read_json", "read_jsonl", "reason", "retrying", "unwrap", "write_json"]

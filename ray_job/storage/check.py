@@ -18,36 +18,27 @@ import pyarrow
 import pyarrow.fs as pafs
 
 from .faults import StorageError, reason
-from .location import Location, _safe, _scheme, at, check_uri, filesystem, fs_path
-from .s3 import S3Settings
+from .location import Location, S3Settings, _safe, _scheme, at, check_uri, filesystem, fs_path
 
 
 def check_writable(where: str) -> Location:
-    """Fails in seconds, with one line saying what to fix, unless this storage takes a write:
-    endpoint unreachable, credentials refused, bucket missing, no write permission."""
-    if "://" not in where:
-        loc = at(where)
-        probe = loc.join(f".write_test_{socket.gethostname()}_{os.getpid()}")
-        try:
-            loc.makedirs()
-            probe.write_bytes(b"")
-            probe.delete()
-        except OSError as e:
-            raise StorageError(f"--storage-path {where} is not writable ({reason(e)}); choose a "
-                               f"folder you can write to") from None
-        return loc
-    check_uri(where)
-    if _scheme(where) in ("s3", "s3a"):
+    """Fails in seconds, with one StorageError line saying what to fix, unless this storage takes a write."""
+    local = "://" not in where
+    if not local and _scheme(where) in ("s3", "s3a"):
+        check_uri(where)
         _check_s3(where)
-    else:
-        loc = Location(filesystem(where), fs_path(where), where)
-        probe = loc.join(f".write_test_{os.getpid()}")
-        try:
-            probe.write_bytes(b"")
-            probe.delete()
-        except OSError as e:
-            raise StorageError(f"--storage-path {_safe(where)} is not writable ({reason(e)})") from None
-    return at(where)
+        return at(where)
+    loc = at(where)
+    probe = loc.join(f".write_test_{socket.gethostname()}_{os.getpid()}")
+    try:
+        if local:
+            loc.makedirs()
+        probe.write_bytes(b"")
+        probe.delete()
+    except OSError as e:
+        name, hint = (where, "; choose a folder you can write to") if local else (_safe(where), "")
+        raise StorageError(f"--storage-path {name} is not writable ({reason(e)}){hint}") from None
+    return loc
 
 
 def _check_s3(uri: str) -> None:
@@ -90,8 +81,6 @@ def _code(e: BaseException) -> str:
 
 
 UNREACHABLE = ("NETWORK_CONNECTION", "REQUEST_TIMEOUT", "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE")
-
-
 REFUSED = ("SIGNATURE_DOES_NOT_MATCH", "INVALID_ACCESS_KEY_ID", "EXPIRED_TOKEN",
            "INVALID_CLIENT_TOKEN_ID", "MISSING_AUTHENTICATION_TOKEN", "UNRECOGNIZED_CLIENT")
 

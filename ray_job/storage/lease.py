@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from ..core.errors import UsageError
@@ -78,9 +78,7 @@ class Lease:
     def current(self) -> Optional[Owner]:
         try:
             return Owner(**loads(self.file.read_text()))
-        except FileNotFoundError:
-            return None
-        except (ValueError, TypeError):  # torn or foreign: nobody holds it
+        except (FileNotFoundError, ValueError, TypeError):  # none, torn or foreign: nobody holds it
             return None
 
     def take(self) -> None:
@@ -107,8 +105,7 @@ class Lease:
         self._thread.start()
 
     def _write(self) -> None:
-        now = time.time()
-        self.me = Owner(**{**asdict(self.me), "heartbeat": now})
+        self.me = replace(self.me, heartbeat=time.time())
         self.file.write_text(dumps(asdict(self.me)))
 
     def _beat(self) -> None:

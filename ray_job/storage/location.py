@@ -1,10 +1,20 @@
 """A file or folder of a run: a pyarrow filesystem and a path on it (local folder, s3://..., or
 another pyarrow.fs URI). Everything the project reads or writes in a run folder goes through a
-`Location`, never through `open()` on a path that might be a URI."""
+`Location`, never through `open()` on a path that might be a URI; strict JSON files on it, replaced as a
+whole.
+
+S3 settings come from the variables the AWS tools use: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and
+AWS_SESSION_TOKEN, else AWS_PROFILE (and the rest of the AWS default credential chain); AWS_REGION /
+AWS_DEFAULT_REGION; AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL, for S3-compatible stores. The
+`S3FileSystem` is built here, not by `FileSystem.from_uri` (which asks AWS for the bucket's region and
+fails against other endpoints). Credentials are never written into a message, a log line, config.json or
+a URI.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import urllib.parse
 from dataclasses import dataclass
@@ -13,12 +23,10 @@ from typing import Any, Optional, Union
 import pyarrow
 import pyarrow.fs as pafs
 
+from ..core.jsonio import dumps, loads
 from .faults import StorageError, faults, reason
-from .s3 import S3Settings, s3_filesystem
 
 CHUNK = 64 * 2**20  # buffer for copies between stores (a folder moved on object storage, staging)
-
-
 CREDENTIAL_WORDS = ("secret", "key", "token", "password", "credential")
 
 
@@ -136,8 +144,6 @@ class Location:
 
 
 Where = Union[str, Location]
-
-
 _FILESYSTEMS: dict = {}  # one filesystem per (scheme, settings) in this process
 
 
@@ -203,3 +209,96 @@ def filesystem(uri: str, checking: bool = False) -> Any:
         return pafs.FileSystem.from_uri(uri)[0]
     except (OSError, pyarrow.ArrowException) as e:
         raise StorageError(f"{_safe(uri)}: {reason(e)}") from None
+
+
+def read_json(path: Where) -> Any:
+    return loads(at(path).read_text())
+
+
+def read_jsonl(path: Where) -> list[dict]:
+    try:
+        text = at(path).read_text()
+    except FileNotFoundError:
+        return []
+    return [loads(line) for line in text.splitlines() if line.strip()]
+
+
+def write_json(path: Where, obj: Any) -> None:
+    at(path).write_text(dumps(obj, indent=2, sort_keys=True))
+
+
+# Training: a stalled transfer is given up after REQUEST_TIMEOUT_S without progress (not a cap on a
+# transfer's length), each request is tried up to ATTEMPTS times.
+CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, ATTEMPTS = 5.0, 30.0, 4
+# The driver's check before anything starts: seconds, not minutes, when the endpoint is dead.
+CHECK_CONNECT_TIMEOUT_S, CHECK_REQUEST_TIMEOUT_S, CHECK_ATTEMPTS = 2.0, 5.0, 2
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """The S3 client settings that the AWS variables give; secrets are kept out of repr()."""
+
+    endpoint: Optional[str]        # host:port of an S3-compatible store; None = AWS
+    scheme: str                    # http or https
+    region: Optional[str]
+    key_id: Optional[str] = dataclasses.field(default=None, repr=False)
+    secret: Optional[str] = dataclasses.field(default=None, repr=False)
+    token: Optional[str] = dataclasses.field(default=None, repr=False)
+    profile: Optional[str] = None
+    endpoint_var: Optional[str] = None  # which variable named the endpoint (for messages)
+
+    @classmethod
+    def from_env(cls, env: Optional[dict] = None) -> S3Settings:
+        env = os.environ if env is None else env
+        var = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if env.get(v)), None)
+        endpoint, scheme = None, "https"
+        if var:
+            url = env[var] if "://" in env[var] else "https://" + env[var]
+            parts = urllib.parse.urlsplit(url)
+            endpoint, scheme = parts.netloc, parts.scheme or "https"
+            if not endpoint or scheme not in ("http", "https"):
+                raise StorageError(f"{var}={env[var]} is not an http(s)://HOST[:PORT] URL")
+        key_id, secret = env.get("AWS_ACCESS_KEY_ID") or None, env.get("AWS_SECRET_ACCESS_KEY") or None
+        if bool(key_id) != bool(secret):
+            raise StorageError("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY must be set together")
+        return cls(endpoint=endpoint, scheme=scheme,
+                   region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+                   key_id=key_id, secret=secret, token=env.get("AWS_SESSION_TOKEN") or None,
+                   profile=env.get("AWS_PROFILE") or None, endpoint_var=var)
+
+    def where(self) -> str:
+        """The endpoint, as a user would recognise it."""
+        if self.endpoint:
+            return f"{self.scheme}://{self.endpoint} ({self.endpoint_var})"
+        return "AWS S3 (no AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL set)"
+
+    def credentials(self) -> str:
+        """Where the credentials come from: the variables' names, never their values."""
+        if self.key_id:
+            return "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        if self.profile:
+            return f"AWS_PROFILE={self.profile}"
+        return "the AWS default chain (no AWS_ACCESS_KEY_ID or AWS_PROFILE set)"
+
+
+def s3_filesystem(settings: S3Settings, bucket: str, checking: bool = False) -> pafs.S3FileSystem:
+    """An S3FileSystem for this endpoint; short timeouts and one retry when `checking`."""
+    region = settings.region or ("us-east-1" if settings.endpoint else None)
+    if region is None:
+        try:
+            region = pafs.resolve_s3_region(bucket)
+        except (OSError, pyarrow.ArrowException) as e:
+            raise StorageError(f"cannot find the AWS region of bucket {bucket!r} ({reason(e)}); set "
+                               f"AWS_REGION, or AWS_ENDPOINT_URL_S3 for an S3-compatible store") from None
+    connect, request, attempts = ((CHECK_CONNECT_TIMEOUT_S, CHECK_REQUEST_TIMEOUT_S, CHECK_ATTEMPTS)
+                                  if checking else (CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, ATTEMPTS))
+    kw: dict[str, Any] = dict(region=region, scheme=settings.scheme, connect_timeout=connect,
+                              request_timeout=request,
+                              retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=attempts))
+    if settings.endpoint:
+        kw["endpoint_override"] = settings.endpoint
+    if settings.key_id:  # explicit, so that workers on other nodes need no copy of the variables
+        kw.update(access_key=settings.key_id, secret_key=settings.secret,
+                  session_token=settings.token)
+    return pafs.S3FileSystem(**kw)
+

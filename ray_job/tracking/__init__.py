@@ -9,8 +9,8 @@ From where: the driver (run, params, tags at start; catch-up, files, model, stat
 Ray Train's controller (each epoch's metrics, `callback.EpochLogger`); never the workers.
 
 The parts, each importing only those before it:
-  settings  the URI (bare) and credentials, the client's HTTP limits, telemetry off
-  check     the preflight: the store reached, the experiment found or made, or one UsageError
+  settings  the URI (bare) and credentials, the client's HTTP limits, telemetry off; the preflight
+            (`check`): the store reached, the experiment found or made, or one UsageError
   epochs    which reports are epoch results; an epoch's figures as metrics (step = epoch)
   facts     tags (code, versions, nodes, GPUs, SLURM job) and params (config, world size, batch rule)
   runs      TrackedRun: a run opened or continued from the id kept in the run folder; params,
@@ -30,7 +30,6 @@ The API, for `train`, `scale sweep` and `tune` (what train/tracked.py wraps for 
   parent.log_files({name: bytes}); parent.finish("FINISHED" | "KILLED" | "FAILED")
 """
 
-from .check import check, problem
-from .settings import Settings
+from .settings import Settings, check, problem
 
 __all__ = ["Settings", "check", "problem"]

@@ -20,8 +20,8 @@ import time
 
 from ray.train import UserCallback
 
-from .epochs import is_epoch, last_epoch, metric_values
-from .settings import QUICK, Settings, apply_credentials, client_defaults, http_settings
+from .epochs import is_epoch, metric_values
+from .settings import QUICK, Settings, http_settings, make_client
 
 log = logging.getLogger("ray_job.tracking")
 
@@ -62,25 +62,17 @@ class EpochLogger(UserCallback):
             log.warning("tracking: MLflow at %s answers again; logged the %d epoch(s) it missed",
                         self.settings.uri, len(self.pending))
         self.failing = False
-        self.logged = last_epoch(values, self.logged)
+        self.logged = max((step for *_, step in values), default=self.logged)
         self.pending.clear()
         log.info("tracking: epoch %d logged (%.3f s in MLflow calls so far)", self.logged, self.spent_s)
 
     def log(self, values: list) -> None:
         with http_settings(QUICK):
-            client = self.client()
+            if self._client is None:
+                self._client = make_client(self.settings)  # the driver's credentials, in the controller
             from mlflow.entities import Metric
 
-            client.log_batch(self.run_id, metrics=[Metric(*v) for v in values])
-
-    def client(self):
-        if self._client is None:
-            apply_credentials(self.settings.credentials)  # this process is the controller's
-            client_defaults()
-            from mlflow import MlflowClient
-
-            self._client = MlflowClient(tracking_uri=self.settings.uri)
-        return self._client
+            self._client.log_batch(self.run_id, metrics=[Metric(*v) for v in values])
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_client": None}

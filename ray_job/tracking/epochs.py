@@ -29,13 +29,7 @@ def metric_values(rows: Iterable[dict], after: int = 0) -> list[tuple[str, float
             continue
         seen.add(epoch)
         stamp = int(float(row.get("time") or 0) * 1000)
-        for key, value in sorted(row.items()):
-            if key in NOT_METRICS or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if math.isfinite(value):
-                out.append((key, float(value), stamp, epoch))
+        out += [(key, float(value), stamp, epoch) for key, value in sorted(row.items())
+                if key not in NOT_METRICS and isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value)]
     return out
-
-
-def last_epoch(values: list[tuple[str, float, int, int]], before: int) -> int:
-    return max((step for *_, step in values), default=before)

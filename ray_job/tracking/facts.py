@@ -5,7 +5,7 @@ from __future__ import annotations
 import getpass
 import os
 import subprocess
-from typing import Any, Optional
+from typing import Any
 
 from .. import __version__
 from ..cluster.slurm import job_facts
@@ -14,26 +14,19 @@ from ..config import TrainConfig
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def git_commit(folder: str = PACKAGE_DIR) -> Optional[str]:
-    """The commit of the ray_job code when it runs from a git checkout (not under `ray job submit`,
-    whose copy of the working dir has no .git)."""
-    try:
-        out = subprocess.run(["git", "-C", folder, "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 def code_tags(command: str) -> dict:
     import ray
     import torch
 
     tags = {"mlflow.source.name": f"python -m ray_job {command}", "mlflow.user": getpass.getuser(),
             "ray_job.version": __version__, "ray.version": ray.__version__, "torch.version": torch.__version__}
-    commit = git_commit()
-    if commit:
-        tags["mlflow.source.git.commit"] = commit
+    try:  # the commit when the code runs from a git checkout (`ray job submit`'s copy has no .git)
+        out = subprocess.run(["git", "-C", PACKAGE_DIR, "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return tags
+    if out.returncode == 0 and out.stdout.strip():
+        tags["mlflow.source.git.commit"] = out.stdout.strip()
     return tags
 
 
@@ -54,11 +47,8 @@ def cluster_tags() -> dict:
 def run_params(cfg: TrainConfig) -> dict:
     """The resolved config (flat already: one param per field), the world size and the batch rule."""
     world = cfg.num_workers
-    params: dict[str, Any] = dict(cfg.to_dict())
-    params.update(world_size=world, per_worker_batch=cfg.per_worker_batch(world),
-                  global_batch=cfg.global_batch(world), scaled_lr=cfg.scaled_lr(world),
-                  batch_rule=batch_rule(cfg, world))
-    return params
+    return dict(cfg.to_dict(), world_size=world, per_worker_batch=cfg.per_worker_batch(world),
+                global_batch=cfg.global_batch(world), scaled_lr=cfg.scaled_lr(world), batch_rule=batch_rule(cfg, world))
 
 
 def batch_rule(cfg: TrainConfig, world: int) -> str:

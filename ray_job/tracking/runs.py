@@ -14,9 +14,8 @@ from typing import Any, Optional
 from .. import storage
 from ..core.errors import UsageError
 from ..storage import Location, StorageError
-from .check import experiment_id, make_client
 from .epochs import EPOCH_KEY, metric_values
-from .settings import Settings
+from .settings import Settings, experiment_id, make_client, set_env
 
 log = logging.getLogger("ray_job.tracking")
 BATCH = 100  # MLflow takes at most 100 params (and 1000 metrics) per call
@@ -99,17 +98,13 @@ class TrackedRun:
             quiet.setLevel(level)
             mlflow.set_tracking_uri(saved["MLFLOW_TRACKING_URI"] or "")
             mlflow.set_registry_uri(saved["MLFLOW_REGISTRY_URI"] or "")
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            set_env(saved)
         return info.model_uri
 
     def finish(self, status: str, **record: Any) -> None:
         """The run's status (FINISHED, KILLED: stopped, to be continued; FAILED) and its record."""
         self.client.set_terminated(self.run_id, status)
-        write_state(self.state, {**read_state(self.state), "status": status, **record})
+        storage.write_json(self.state, {**read_state(self.state), "status": status, **record})
 
 
 def open_run(settings: Settings, state: Location, name: str, parent_id: Optional[str] = None,
@@ -118,16 +113,15 @@ def open_run(settings: Settings, state: Location, name: str, parent_id: Optional
     (a child of `parent_id` when given)."""
     client = make_client(settings)
     exp = experiment_id(settings)
-    record = read_state(state)
-    run = continued_run(client, settings, record)
+    run = continued_run(client, settings, read_state(state))
     was_continued = run is not None
     if run is None:
         parent = {"mlflow.parentRunId": parent_id} if parent_id else {}
         run = client.create_run(exp, run_name=name, tags={"mlflow.runName": name, **parent})
     else:
         client.update_run(run.info.run_id, status="RUNNING")
-    write_state(state, dict(tracking_uri=settings.uri, experiment=settings.experiment,
-                            experiment_id=exp, run_id=run.info.run_id, run_name=name, status="RUNNING"))
+    storage.write_json(state, dict(tracking_uri=settings.uri, experiment=settings.experiment,
+                                   experiment_id=exp, run_id=run.info.run_id, run_name=name, status="RUNNING"))
     tracked = TrackedRun(settings, run.info.run_id, state, was_continued, client)
     if tags:
         tracked.set_tags(tags)
@@ -162,7 +156,3 @@ def read_state(state: Location) -> dict:
         return {}
     except (StorageError, ValueError) as e:
         raise UsageError(f"cannot read {state.uri}: {e}") from None
-
-
-def write_state(state: Location, record: dict) -> None:
-    storage.write_json(state, record)

@@ -5,6 +5,10 @@ mlflow.db` (artifacts beside it in `mlartifacts/`; no server). Credentials follo
 conventions (MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_TRACKING_TOKEN, ~/.mlflow/credentials); a
 `user:password@` inside $MLFLOW_TRACKING_URI is moved into those variables. The config, config.json,
 every printed line and MLflow's own params hold the bare URI only.
+
+The driver's preflight (`check`): the store reached and the experiment there, in seconds and before
+any worker starts. A store that cannot be reached or that refuses the credentials is one `error:` line
+(UsageError, exit 2): a typo must not cost an allocation.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Optional
@@ -30,6 +36,9 @@ LOCAL_DB, LOCAL_ARTIFACTS = "mlflow.db", "mlartifacts"
 QUICK = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 PATIENT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 USER_HTTP = frozenset(k for k in QUICK if k in os.environ)  # the user's own settings, left alone
+UNREACHABLE = ("Connection refused", "NewConnectionError", "timed out", "Name or service not known",
+               "Temporary failure in name resolution", "No route to host", "Max retries exceeded",
+               "RemoteDisconnected", "Connection reset")
 
 
 @dataclass(frozen=True)
@@ -76,15 +85,6 @@ def resolve_uri(cfg: TrainConfig, env: Optional[dict] = None) -> TrainConfig:
     return dataclasses.replace(cfg, mlflow_uri=bare)
 
 
-def client_defaults() -> None:
-    """What every process of ours that talks to MLflow sets before importing it (the user's own
-    settings win): no usage telemetry sent out, HTTP calls that give up in seconds."""
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    for key, value in PATIENT.items():
-        if key not in USER_HTTP:
-            os.environ[key] = value
-
-
 @contextlib.contextmanager
 def http_settings(values: Mapping[str, str]) -> Iterator[None]:
     """MLflow's HTTP settings (read at each request) set to `values` for the block, except those
@@ -94,17 +94,77 @@ def http_settings(values: Mapping[str, str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        set_env(saved)
 
 
-def apply_credentials(credentials: Mapping[str, str]) -> None:
-    """In the controller's process: exactly the driver's credentials (not what its env holds)."""
-    for key in CREDENTIAL_VARS:
-        if key in credentials:
-            os.environ[key] = credentials[key]
-        else:
+def set_env(values: Mapping[str, Optional[str]]) -> None:
+    """Sets these environment variables of this process; None unsets one."""
+    for key, value in values.items():
+        if value is None:
             os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def check(cfg: TrainConfig) -> TrainConfig:
+    """The config with its tracking URI decided (bare), after one round trip to the store that
+    finds or creates the experiment. Without --mlflow: the config as it is, and MLflow not imported."""
+    if not cfg.mlflow:
+        return cfg
+    cfg = resolve_uri(cfg)
+    settings = Settings.of(cfg)
+    make_client(settings)  # imports MLflow (seconds on a busy machine): not the store's time
+    started = time.monotonic()
+    with http_settings(QUICK):
+        try:
+            experiment_id(settings)
+        except UsageError:
+            raise
+        except Exception as e:  # MlflowException, OSError, SQLAlchemy's errors: one line
+            raise UsageError(problem(settings, e, time.monotonic() - started)) from None
+    return cfg
+
+
+def experiment_id(settings: Settings) -> str:
+    """The experiment's id, created (with the local default's artifact folder) when missing."""
+    client = make_client(settings)
+    exp = client.get_experiment_by_name(settings.experiment)
+    if exp is None:
+        return client.create_experiment(settings.experiment, artifact_location=settings.artifact_location)
+    if exp.lifecycle_stage == "deleted":
+        raise UsageError(f"the MLflow experiment {settings.experiment!r} at {settings.uri} is deleted; "
+                         f"restore it (`mlflow experiments restore`) or give another --mlflow-experiment")
+    return exp.experiment_id
+
+
+def make_client(settings: Settings):
+    """A client of the store, in any process of ours (the driver, a Tune trial's actor, Ray Train's
+    controller): exactly the settings' credentials set as MLflow reads them (not the env's), and before
+    MLflow is imported (the user's own settings win): no usage telemetry, HTTP calls that give up in seconds."""
+    set_env({k: settings.credentials.get(k) for k in CREDENTIAL_VARS})
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.update({k: v for k, v in PATIENT.items() if k not in USER_HTTP})
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=settings.uri, registry_uri=settings.uri)
+
+
+def problem(settings: Settings, error: Exception, waited_s: float) -> str:
+    """What went wrong, in one line without credentials, and what to do."""
+    text = " ".join(str(error).split())
+    for value in settings.credentials.values():  # never a credential in the line
+        if len(value) >= 4:
+            text = text.replace(value, "***")
+    refused = re.search(r"\b(401|403)\b|UNAUTHENTICATED|PERMISSION_DENIED|Unauthorized|Forbidden", text)
+    if refused:
+        what = f"HTTP {refused[1]}" if refused[1] else refused[0]
+        return (f"the MLflow tracking server at {settings.uri} refused the credentials ({what}); "
+                f"set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN")
+    if any(s in text for s in UNREACHABLE):
+        why = next((s.lower() for s in UNREACHABLE
+                    if s in text and s not in ("NewConnectionError", "Max retries exceeded")), "no connection")
+        return (f"cannot reach the MLflow tracking server at {settings.uri} ({why}, "
+                f"{waited_s:.1f} s); check --mlflow-uri / MLFLOW_TRACKING_URI and that the server runs")
+    text = text if len(text) <= 200 else text[:200] + "..."
+    return f"MLflow at {settings.uri}: {text}; check --mlflow-uri / MLFLOW_TRACKING_URI"
+

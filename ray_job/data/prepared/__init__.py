@@ -25,17 +25,16 @@ s3://...` is staged once per node into a local cache first (`stage`), through ra
   format   the format's constants, manifest reading and checking, the schema
   sources  what is prepared: CIFAR-10's batches or an image folder, and its geometry
   write    shards and the manifest, written under a temporary name and swapped in
-  stage    a copy per node of a dataset on object storage
-  read     PreparedImages: the memory-mapped reader the DataLoader uses
+  read     PreparedImages: the memory-mapped reader the DataLoader uses; `stage`: a copy per node of a
+           dataset on object storage
   cli      `python -m ray_job prepare-data`
 """
 
 from .format import DEFAULT_SHARD_MB, MANIFEST, META_KEY, files_complete, read_manifest, sha256
-from .read import PreparedImages, open_manifest
+from .read import PreparedImages, cache_root, open_manifest, remote_manifest, stage
 from .sources import Source, cifar10_source, imagefolder_source
-from .stage import cache_root, local_folder, remote_manifest, stage
 from .write import ensure_prepared, write_prepared
 
 __all__ = ["DEFAULT_SHARD_MB", "MANIFEST", "META_KEY", "PreparedImages", "sha256", "Source", "cache_root",
-           "cifar10_source", "ensure_prepared", "files_complete", "imagefolder_source", "local_folder", "open_manifest",
+           "cifar10_source", "ensure_prepared", "files_complete", "imagefolder_source", "open_manifest",
            "read_manifest", "remote_manifest", "stage", "write_prepared"]

@@ -1,9 +1,15 @@
-"""PreparedImages: one split of a prepared folder, read through memory maps, a batch at a time."""
+"""PreparedImages: one split of a prepared folder, read through memory maps, a batch at a time; a
+prepared dataset on object storage (`--data-dir s3://...`) is staged first, once per node, into a local
+cache (a file lock, each file's SHA-256 checked, the local manifest written last) and reused."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
+import json
 import os
+import warnings
 from typing import Any, Optional
 
 import numpy as np
@@ -11,8 +17,11 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
+from ... import storage
+from ..arrays import identity
 from ..errors import DataError
-from .format import EVAL_RESIZE, MANIFEST, files_complete, prepare_hint, read_manifest
+from .format import (EVAL_RESIZE, FORMAT, MANIFEST, SPLITS, files_complete, prepare_hint, read_manifest,
+                     write_json_atomic)
 
 
 def open_manifest(folder: str) -> dict:
@@ -33,18 +42,11 @@ def open_manifest(folder: str) -> dict:
     return manifest
 
 
-def _identity(batch):
-    return batch
-
-
 class PreparedImages(Dataset):
-    """One split of a prepared folder, read through memory maps, a batch at a time.
+    """The files are opened lazily in each process (DataLoader workers included), so what is pickled
+    is only the folder and the settings. `__getitems__` returns uint8 (B, S, S, 3) and int64 labels."""
 
-    The files are opened lazily in each process (DataLoader workers included), so what is pickled
-    is only the folder and the settings. `__getitems__` returns uint8 (B, S, S, 3) and int64 labels.
-    """
-
-    collate_fn = staticmethod(_identity)
+    collate_fn = staticmethod(identity)
 
     def __init__(self, folder: str, split: str, image_size: int, train: bool,
                  manifest: Optional[dict] = None):
@@ -100,15 +102,6 @@ class PreparedImages(Dataset):
         offsets = np.frombuffer(image.buffers()[1], np.int32, len(image) + 1, image.offset * 4)
         return (offsets, np.frombuffer(image.buffers()[2], np.uint8)), labels
 
-    @staticmethod
-    def _tensor_view(chunk: tuple) -> tuple:
-        """torch tensors over the mapped pages (read-only memory: only ever read from)."""
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
-            return torch.from_numpy(chunk[0]), torch.from_numpy(chunk[1])
-
     def __getitem__(self, i: int):
         images, labels = self.__getitems__([i])
         return images[0], labels[0]
@@ -116,17 +109,17 @@ class PreparedImages(Dataset):
     def __getitems__(self, indices: list[int]):
         starts, chunks = self._open()
         idx = np.asarray(indices, dtype=np.int64)
-        which = np.searchsorted(starts, idx, side="right") - 1
-        labels = np.empty(len(idx), np.int64)
-        if self.device_crop:
-            g = self.manifest["geometry"]
-            out = np.empty((len(idx), g["height"], g["width"], g["channels"]), np.uint8)
-        else:
-            out = np.empty((len(idx), self.image_size, self.image_size, 3), np.uint8)
         if len(chunks) == 1 and self.device_crop:  # one shard: the in-memory path's own gather
-            images, chunk_labels = self._tensor_view(chunks[0])
+            with warnings.catch_warnings():  # tensors over the mapped pages, only ever read from
+                warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+                images, chunk_labels = (torch.from_numpy(a) for a in chunks[0])
             picked = torch.from_numpy(idx)
             return images.index_select(0, picked), chunk_labels.index_select(0, picked).long()
+        which = np.searchsorted(starts, idx, side="right") - 1
+        labels = np.empty(len(idx), np.int64)
+        g = self.manifest["geometry"]
+        size = (g["height"], g["width"], g["channels"]) if self.device_crop else (self.image_size, self.image_size, 3)
+        out = np.empty((len(idx), *size), np.uint8)
         for c in np.unique(which):
             mask = which == c
             local = idx[mask] - starts[c]
@@ -163,3 +156,71 @@ class PreparedImages(Dataset):
                                if self.train else
                                T.Compose([T.Resize(round(s / EVAL_RESIZE)), T.CenterCrop(s)]))
         return self._transform
+
+
+def cache_root() -> str:
+    return os.environ.get("RJ_DATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                           "ray_job", "data")
+
+
+def stage(uri: str) -> str:
+    """A local copy of the prepared dataset at `uri`, made once per node (file lock) in
+    cache_root()/<hash of the URI>; files whose size matches the manifest are kept, so later runs
+    and requeued jobs copy nothing. The local manifest is written last, as when preparing."""
+    from filelock import FileLock
+
+    remote = storage.at(uri)
+    manifest = remote_manifest(uri)
+    local = os.path.join(cache_root(), hashlib.sha1(uri.rstrip("/").encode()).hexdigest()[:16])
+    os.makedirs(local, exist_ok=True)
+    with FileLock(local + ".lock"):
+        if read_manifest(local) == manifest and files_complete(local, manifest) is None:
+            return local
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(local, MANIFEST))
+        for split in SPLITS:
+            for entry in manifest["splits"][split]["files"]:
+                _fetch(remote.join(entry["name"]), os.path.join(local, entry["name"]), entry)
+        with open(os.path.join(local, "SOURCE"), "w") as f:
+            f.write(uri + "\n")
+        write_json_atomic(os.path.join(local, MANIFEST), manifest)
+    return local
+
+
+def remote_manifest(uri: str) -> dict:
+    """The manifest of a prepared dataset on object storage, or a DataError saying what to do."""
+    try:
+        manifest = json.loads(storage.at(uri).join(MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise DataError(f"no {MANIFEST} under --data-dir {uri}: not a prepared dataset (or not "
+                        f"completely uploaded). {prepare_hint('./prepared')}, then copy the folder "
+                        f"there, manifest.json last") from None
+    except (storage.StorageError, ValueError) as e:
+        raise DataError(f"cannot read {MANIFEST} under --data-dir {uri}: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{uri} holds format {manifest.get('format')!r}, not {FORMAT}; prepare it again")
+    return manifest
+
+
+def _fetch(src: storage.Location, dest: str, entry: dict) -> None:
+    if os.path.isfile(dest) and os.path.getsize(dest) == entry["bytes"]:
+        return
+    tmp = f"{dest}.tmp{os.getpid()}"
+    h = hashlib.sha256()
+    try:
+        with storage.faults("read", src), src.fs.open_input_stream(src.path) as f, open(tmp, "wb") as out:
+            while chunk := f.read(storage.CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+    except FileNotFoundError:
+        raise DataError(f"{src.uri} is listed in the manifest but missing; upload the prepared "
+                        f"folder again") from None
+    except storage.StorageError as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise DataError(f"cannot stage {src.uri}: {e}") from None
+    if h.hexdigest() != entry["sha256"]:
+        os.remove(tmp)
+        raise DataError(f"{src.uri} does not match its manifest (SHA-256); upload the prepared "
+                        f"folder again")
+    os.replace(tmp, dest)

@@ -21,12 +21,10 @@ from .sources import Source, decide_geometry
 
 
 class ShardWriter:
-    """Writes one split as <split>-NNNNN.arrow files of about `shard_bytes`, each under a temporary
-    name until it is complete; `entries` lists the finished ones for the manifest.
-
+    """One split as <split>-NNNNN.arrow files of about `shard_bytes` (`entries`: the finished ones).
     A shard is one record batch: its images are one contiguous region of the file, so a reader
-    gathers a batch of indices from it with a single indexing operation (the writer holds one
-    shard in memory, --shard-mb)."""
+    gathers a batch of indices from it with a single indexing operation (the writer holds one shard
+    in memory, --shard-mb)."""
 
     def __init__(self, out: str, split: str, schema: pa.Schema, shard_bytes: int):
         self.out, self.split, self.schema, self.shard_bytes = out, split, schema, shard_bytes
@@ -54,27 +52,26 @@ class ShardWriter:
         self.pending, self.bytes = [], 0
 
 
-def _decode_rgb(path: str) -> np.ndarray:
+def _read_image(path: str, raw: bool) -> Any:
+    """raw: the image as uint8 RGB; else (the file's bytes, height, width), once it decodes."""
     from PIL import Image
 
     try:
-        with Image.open(path) as im:
-            return np.asarray(im.convert("RGB"))
-    except OSError as e:
-        raise DataError(f"cannot decode image {path} ({e}); delete or replace it") from None
-
-
-def _check_encoded(path: str) -> tuple:
-    """(bytes, height, width) of an image file, after checking that it decodes."""
-    from PIL import Image
-
-    data = open(path, "rb").read()
-    try:
+        data = open(path, "rb").read()
         with Image.open(io.BytesIO(data)) as im:
+            if raw:
+                return np.asarray(im.convert("RGB"))
             im.load()
             return data, im.height, im.width
     except OSError as e:
         raise DataError(f"cannot decode image {path} ({e}); delete or replace it") from None
+
+
+def _raw_batch(flat: np.ndarray, labels: Any) -> pa.RecordBatch:
+    """uint8 rows (N, H*W*C) as one fixed_size_binary column, beside the labels."""
+    image = pa.FixedSizeBinaryArray.from_buffers(pa.binary(flat.shape[1]), len(flat),
+                                                 [None, pa.py_buffer(np.ascontiguousarray(flat))])
+    return pa.record_batch([image, pa.array(labels, pa.int32())], names=["image", "label"])
 
 
 def split_batches(source: Source, split: str, bar) -> Any:
@@ -85,32 +82,24 @@ def split_batches(source: Source, split: str, bar) -> Any:
         data = load_cifar10(source.path, split == "train")
         images, labels = data.images.numpy().reshape(len(data), -1), data.labels.numpy()
         for i in range(0, len(data), BATCH_ROWS):
-            chunk = images[i:i + BATCH_ROWS]
-            arr = pa.FixedSizeBinaryArray.from_buffers(pa.binary(chunk.shape[1]), len(chunk),
-                                                       [None, pa.py_buffer(np.ascontiguousarray(chunk))])
-            bar.update(len(chunk))
-            yield pa.record_batch([arr, pa.array(labels[i:i + BATCH_ROWS], pa.int32())],
-                                  names=["image", "label"])
+            bar.update(len(images[i:i + BATCH_ROWS]))
+            yield _raw_batch(images[i:i + BATCH_ROWS], labels[i:i + BATCH_ROWS])
         return
     items = source.files[split]
     raw = source.geometry["layout"] == "raw"
+    rows = BATCH_ROWS if raw else BATCH_ROWS // 8
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for i in range(0, len(items), BATCH_ROWS // (1 if raw else 8)):
-            chunk = items[i:i + BATCH_ROWS // (1 if raw else 8)]
-            labels = pa.array([label for _, label in chunk], pa.int32())
+        for i in range(0, len(items), rows):
+            chunk = items[i:i + rows]
+            labels = [label for _, label in chunk]
+            done = list(pool.map(lambda path: _read_image(path, raw), [p for p, _ in chunk]))
             if raw:
-                arrays = list(pool.map(_decode_rgb, [p for p, _ in chunk]))
-                flat = np.stack(arrays).reshape(len(arrays), -1)
-                image = pa.FixedSizeBinaryArray.from_buffers(pa.binary(flat.shape[1]), len(flat),
-                                                             [None, pa.py_buffer(flat)])
-                batch = pa.record_batch([image, labels], names=["image", "label"])
+                batch = _raw_batch(np.stack(done).reshape(len(done), -1), labels)
             else:
-                done = list(pool.map(_check_encoded, [p for p, _ in chunk]))
-                batch = pa.record_batch(
-                    [pa.array([d for d, _, _ in done], pa.binary()), labels,
-                     pa.array([h for _, h, _ in done], pa.int32()),
-                     pa.array([w for _, _, w in done], pa.int32())],
-                    names=["image", "label", "height", "width"])
+                data, heights, widths = zip(*done)
+                batch = pa.record_batch([pa.array(data, pa.binary()), pa.array(labels, pa.int32()),
+                                         pa.array(heights, pa.int32()), pa.array(widths, pa.int32())],
+                                        names=["image", "label", "height", "width"])
             bar.update(len(chunk))
             yield batch
 
@@ -182,26 +171,21 @@ def _swap_in(tmp: str, out: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prepared_matches(out: str, source: Source) -> bool:
-    manifest = read_manifest(out) if os.path.isdir(out) else None
-    return (manifest is not None and manifest["source"]["kind"] == source.kind
-            and manifest["source"]["fingerprint"] == source.fingerprint
-            and files_complete(out, manifest) is None)
-
-
 def ensure_prepared(source: Source, out: str, shard_mb: float = DEFAULT_SHARD_MB,
                     progress: bool = True) -> tuple[dict, bool]:
     """(manifest, whether it was written now): prepares `out` unless it already holds this source;
     one process at a time per folder (a file lock beside it)."""
     from filelock import FileLock
 
-    parent = os.path.dirname(os.path.abspath(out))
+    parent, name = os.path.split(os.path.abspath(out))
     try:
         os.makedirs(parent, exist_ok=True)
-        lock = FileLock(os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.lock"))
-        with lock:
-            if prepared_matches(out, source):
-                return read_manifest(out), False
+        with FileLock(os.path.join(parent, f".{name}.lock")):
+            manifest = read_manifest(out) if os.path.isdir(out) else None
+            if (manifest is not None and manifest["source"]["kind"] == source.kind
+                    and manifest["source"]["fingerprint"] == source.fingerprint
+                    and files_complete(out, manifest) is None):
+                return manifest, False
             return write_prepared(source, out, shard_mb, progress), True
     except PermissionError as e:
         raise DataError(f"cannot write the prepared data at {out} ({e.strerror}); run `python -m "
