@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+
+
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
 PAD = 4  # random-crop padding, as in the standard CIFAR recipe
 
 

@@ -14,10 +14,20 @@ from .errors import DataError
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
                    "dog", "frog", "horse", "ship", "truck")
+
+
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+
+
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+
+
 CIFAR10_FOLDER = "cifar-10-batches-py"
+
+
 CIFAR10_TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
+
+
 CIFAR10_TEST_FILES = ["test_batch"]
 
 

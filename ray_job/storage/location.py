@@ -27,6 +27,8 @@ from ..core.jsonio import dumps, loads
 from .faults import StorageError, faults, reason
 
 CHUNK = 64 * 2**20  # buffer for copies between stores (a folder moved on object storage, staging)
+
+
 CREDENTIAL_WORDS = ("secret", "key", "token", "password", "credential")
 
 
@@ -144,6 +146,8 @@ class Location:
 
 
 Where = Union[str, Location]
+
+
 _FILESYSTEMS: dict = {}  # one filesystem per (scheme, settings) in this process
 
 
@@ -230,6 +234,8 @@ def write_json(path: Where, obj: Any) -> None:
 # Training: a stalled transfer is given up after REQUEST_TIMEOUT_S without progress (not a cap on a
 # transfer's length), each request is tried up to ATTEMPTS times.
 CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, ATTEMPTS = 5.0, 30.0, 4
+
+
 # The driver's check before anything starts: seconds, not minutes, when the endpoint is dead.
 CHECK_CONNECT_TIMEOUT_S, CHECK_REQUEST_TIMEOUT_S, CHECK_ATTEMPTS = 2.0, 5.0, 2
 

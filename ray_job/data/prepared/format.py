@@ -13,12 +13,26 @@ import pyarrow as pa
 from ..errors import DataError
 
 FORMAT = "ray_job.prepared/1"
+
+
 MANIFEST = "manifest.json"
+
+
 META_KEY = b"ray_job"
+
+
 SPLITS = ("train", "test")
+
+
 BATCH_ROWS = 2048
+
+
 DEFAULT_SHARD_MB = 512
+
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
 EVAL_RESIZE = 0.875  # test images: resize the short side to S / 0.875, then center-crop S
 
 
