@@ -70,12 +70,7 @@ class BaselineArgs:
     report_json: str = option("", "rank 0 writes per-epoch times and accuracies here (strict JSON)")
     seed: int = option(0, "random seed (model init, synthetic data, shuffling)")
 
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise UsageError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)!r} is not one of: "
-                                 f"{', '.join(choices)}")
+    def __post_init__(self) -> None:  # the choices: argparse checks them
         if min(self.epochs, self.batch_size, self.num_classes) <= 0:
             raise UsageError("--epochs, --batch-size and --num-classes must be positive")
         if min(self.steps_per_epoch, self.loader_workers, self.print_every, self.lr) < 0:
@@ -90,10 +85,6 @@ class DistEnv:
     world: int
     local_rank: int
     launcher: str  # "torchrun", "srun" or "single"
-
-    @property
-    def master_process(self) -> bool:
-        return self.rank == 0
 
 
 def dist_env(environ=None) -> DistEnv:
@@ -173,13 +164,6 @@ def baseline_train_loader(split, per_rank_batch: int, env: DistEnv, workers: int
                       num_workers=workers)
 
 
-def baseline_test_loader(split, batch: int, env: DistEnv, workers: int) -> DataLoader:
-    from ..data.arrays import TorchvisionDataset
-
-    ds = TorchvisionDataset(split, train=False)
-    return DataLoader(ds, batch_size=batch, sampler=range(env.rank, len(ds), env.world), num_workers=workers)
-
-
 def train_epoch(model: nn.Module, loader, optimizer, criterion, device: torch.device, epoch: int,
                 epochs: int, env: DistEnv, print_every: int = 10, max_steps: int = 0) -> EpochStats:
     """The baseline's loop: copy, forward, backward, step, read the loss, print every N steps."""
@@ -208,7 +192,7 @@ def train_epoch(model: nn.Module, loader, optimizer, criterion, device: torch.de
         stats.steps += 1
         if stats.first_step_time is None:
             stats.first_step_time = time.time()
-        if env.master_process and print_every and (i + 1) % print_every == 0:
+        if env.rank == 0 and print_every and (i + 1) % print_every == 0:
             n = min(print_every, stats.steps)
             print(f"Epoch [{epoch + 1}/{epochs}], Step [{i + 1}/{steps}], Loss: {loss_value:.4f}, "
                   f"data {1000 * window_data / n:.1f} ms, train {1000 * window_train / n:.1f} ms", flush=True)
@@ -247,6 +231,7 @@ def train(args: BaselineArgs) -> dict:
     if env.world > args.batch_size:
         raise UsageError(f"--batch-size {args.batch_size} (global) is smaller than the {env.world} processes")
     torch.manual_seed(args.seed)
+    from ..data.arrays import TorchvisionDataset
     from ..data.datasets import load_splits
 
     train_split, test_split = load_splits(TrainConfig(
@@ -261,12 +246,14 @@ def train(args: BaselineArgs) -> dict:
         getattr(model, "module", model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["epoch"]
-        if env.master_process:
+        if env.rank == 0:
             print(f"resumed from {args.checkpoint}: {start_epoch} epoch(s) done", flush=True)
     train_loader = baseline_train_loader(train_split, per_rank, env, args.loader_workers, args.seed)
-    test_loader = baseline_test_loader(test_split, per_rank, env, args.loader_workers)
+    test_ds = TorchvisionDataset(test_split, train=False)  # each rank its share, every image once
+    test_loader = DataLoader(test_ds, batch_size=per_rank, sampler=range(env.rank, len(test_ds), env.world),
+                             num_workers=args.loader_workers)
     criterion = nn.CrossEntropyLoss()
-    if env.master_process:
+    if env.rank == 0:
         print(f"raw_ddp: {env.launcher}, world size {env.world}, "
               f"{dist.get_backend() if dist.is_initialized() else 'no process group'}, {device}, "
               f"{args.model}/{args.stem} stem, global batch {per_rank * env.world} ({per_rank} per process), "
@@ -284,7 +271,7 @@ def train(args: BaselineArgs) -> dict:
         row = dict(epoch=epoch + 1, time=time.time(), train_loss=stats.loss_sum / max(stats.count, 1),
                    test_acc=acc, steps=stats.steps, images_per_s=stats.count * env.world / stats.wall_s)
         report["epochs"].append(row)
-        if env.master_process:
+        if env.rank == 0:
             path = save_checkpoint(os.path.join(args.checkpoint_dir, f"epoch_{epoch + 1}"),
                                    model=getattr(model, "module", model), optimizer=optimizer,
                                    epoch=epoch + 1, step=0, config=dataclasses.asdict(args),
@@ -295,12 +282,12 @@ def train(args: BaselineArgs) -> dict:
         reached = acc is not None and args.target_acc > 0 and acc >= args.target_acc
         over = args.time_budget_s > 0 and time.time() - started > args.time_budget_s
         # rank 0's clock decides, so that every rank stops after the same epoch
-        over = global_sums([float(over and env.master_process)], device)[0] > 0
+        over = global_sums([float(over and env.rank == 0)], device)[0] > 0
         if reached or over:
             report["stopped"] = "target" if reached else "budget"
             break
     report["peak_host_mem_gib"] = peak_rss_gib()
-    if env.master_process and args.report_json:
+    if env.rank == 0 and args.report_json:
         from ..storage import write_json
 
         os.makedirs(os.path.dirname(args.report_json) or ".", exist_ok=True)
