@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..config import Speed
+from ..peers import raw_ddp
 from ..storage import read_json, write_json
 from .common import BASELINE, machine_busy_s, own_usage
 
@@ -37,7 +38,6 @@ class RunSpec:
     warmup: int           # untimed, first
     threads: int          # torch threads per process
     cuda: bool
-    num_classes: int = 10
     out: str = ""         # torchrun: where rank 0 writes its result
 
 
@@ -56,9 +56,7 @@ class Placement:
             import ray.train.torch
 
             return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp)
-        from ..peers.raw_ddp import wrap_ddp
-
-        return wrap_ddp(model.to(self.device), self.device, self.world, **ddp)
+        return raw_ddp.wrap_ddp(model.to(self.device), self.device, self.world, **ddp)
 
     def wrap_loader(self, loader: DataLoader):
         if not self.ray:
@@ -68,22 +66,15 @@ class Placement:
         return ray.train.torch.prepare_data_loader(loader)
 
 
-def _set_epoch(loader, epoch: int) -> None:
-    if isinstance(getattr(loader, "sampler", None), DistributedSampler):
-        loader.sampler.set_epoch(epoch)
-
-
 def _baseline_loop(spec: RunSpec, place: Placement, split, per_rank: int):
-    from ..peers import raw_ddp
-
     env = raw_ddp.DistEnv(place.rank, place.world, 0, "ray" if place.ray else "torchrun")
-    model = place.wrap_model(raw_ddp.build_baseline_model(spec.model, spec.num_classes, spec.stem))
+    model = place.wrap_model(raw_ddp.build_baseline_model(spec.model, 10, spec.stem))
     optimizer = raw_ddp.baseline_optimizer(model, BASELINE.lr, BASELINE.momentum)
     loader = place.wrap_loader(raw_ddp.baseline_train_loader(split, per_rank, env, 0, 0, not place.ray))
     criterion = nn.CrossEntropyLoss()
 
     def epoch(e: int, steps: int):
-        _set_epoch(loader, e)
+        raw_ddp.set_epoch(loader, e)
         return raw_ddp.train_epoch(model, loader, optimizer, criterion, place.device, e, 2, env,
                                     print_every=0, max_steps=steps)
     return epoch, False
@@ -104,7 +95,7 @@ def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
     if cuda:
         torch.backends.cudnn.benchmark = True
     cfg = TrainConfig(model=spec.model, stem=spec.stem, batch_size=spec.global_batch, lr_ref_batch=spec.global_batch)
-    model, optimizer = model_and_optimizer(cfg, spec.num_classes, speed, place.world, place.wrap_model)
+    model, optimizer = model_and_optimizer(cfg, 10, speed, place.world, place.wrap_model)
     ds = ArrayDataset(split)
     sampler = (None if place.ray or place.world == 1  # Ray's prepare_data_loader adds it
                else DistributedSampler(ds, num_replicas=place.world, rank=place.rank, shuffle=True))
@@ -119,7 +110,7 @@ def _our_loop(spec: RunSpec, place: Placement, split, per_rank: int):
     def epoch(e: int, count: int):
         """One epoch of `count` steps on `train`'s per-step path: the step, rank 0's progress lines
         (--log-every 10, as `train`'s default) and the step control's poll."""
-        _set_epoch(loader, e)
+        raw_ddp.set_epoch(loader, e)
         # batches copied to the device without blocking, as Ray's prepare_data_loader does
         batches = loader if place.ray else ((x.to(place.device, non_blocking=True),
                                              y.to(place.device, non_blocking=True)) for x, y in loader)
@@ -196,11 +187,9 @@ def other_cpu_share(rank0: dict, everyone: list[dict]) -> Optional[float]:
 
 def worker_main(argv: list[str]) -> int:
     """One torchrun process: `python -m ray_job.bench.loops SPEC.json`."""
-    from ..peers.raw_ddp import dist_env, init_distributed
-
     spec = RunSpec(**read_json(argv[0]))
-    env = dist_env()
-    device = init_distributed(env)
+    env = raw_ddp.dist_env()
+    device = raw_ddp.init_distributed(env)
     result = run_loop(spec, Placement(env.rank, env.world, device, ray=False))
     if result is not None:
         write_json(spec.out, result)

@@ -87,9 +87,8 @@ class DistEnv:
     launcher: str  # "torchrun", "srun" or "single"
 
 
-def dist_env(environ=None) -> DistEnv:
+def dist_env(env=os.environ) -> DistEnv:
     """Who this process is: torchrun's variables first, then srun's, else a single process."""
-    env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:  # a task of srun
@@ -98,13 +97,12 @@ def dist_env(environ=None) -> DistEnv:
     return DistEnv(0, 1, 0, "single")
 
 
-def slurm_master(environ=None) -> tuple[str, str]:
+def slurm_master(env=os.environ) -> tuple[str, str]:
     """MASTER_ADDR / MASTER_PORT under srun: as set, else the first node's NodeAddr and a port
     derived from the job id (every task computes the same)."""
     from ..cluster.ports import job_port
     from ..cluster.slurm import node_addr, node_names
 
-    env = os.environ if environ is None else environ
     port = env.get("MASTER_PORT") or str(job_port(env, int(env.get("SLURM_JOB_ID", "0"))))
     if env.get("MASTER_ADDR"):
         return env["MASTER_ADDR"], port
@@ -162,6 +160,11 @@ def baseline_train_loader(split, per_rank_batch: int, env: DistEnv, workers: int
                if distributed_sampler and env.world > 1 else None)
     return DataLoader(ds, batch_size=per_rank_batch, shuffle=sampler is None, sampler=sampler,
                       num_workers=workers)
+
+
+def set_epoch(loader, epoch: int) -> None:
+    if isinstance(getattr(loader, "sampler", None), DistributedSampler):  # also a loader Ray's prepare_* made
+        loader.sampler.set_epoch(epoch)
 
 
 def train_epoch(model: nn.Module, loader, optimizer, criterion, device: torch.device, epoch: int,
@@ -262,8 +265,7 @@ def train(args: BaselineArgs) -> dict:
                   device=str(device), started=started, first_step_time=None, start_epoch=start_epoch,
                   epochs=[], stopped="epochs")
     for epoch in range(start_epoch, args.epochs):
-        if isinstance(train_loader.sampler, DistributedSampler):
-            train_loader.sampler.set_epoch(epoch)
+        set_epoch(train_loader, epoch)
         stats = train_epoch(model, train_loader, optimizer, criterion, device, epoch, args.epochs, env,
                             args.print_every, args.steps_per_epoch)
         report["first_step_time"] = report["first_step_time"] or stats.first_step_time
