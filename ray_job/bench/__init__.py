@@ -22,14 +22,14 @@ import os
 
 from ..core.errors import UsageError
 
-# command -> (module, its config class)
+# command (its module: the command without "-") -> its config class
 COMMANDS = {
-    "step": ("step", "StepConfig"),
-    "data-path": ("datapath", "DataPathConfig"),
-    "vs-ddp": ("vsddp", "VsDdpConfig"),
-    "race": ("race", "RaceConfig"),
-    "checkpoints": ("checkpoints", "CheckpointBenchConfig"),
-    "tracking": ("tracking", "TrackingBenchConfig"),
+    "step": "StepConfig",
+    "data-path": "DataPathConfig",
+    "vs-ddp": "VsDdpConfig",
+    "race": "RaceConfig",
+    "checkpoints": "CheckpointBenchConfig",
+    "tracking": "TrackingBenchConfig",
 }
 
 
@@ -43,9 +43,8 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     if argv[0] not in COMMANDS:
         raise UsageError(f"unknown bench command {argv[0]!r}; use one of {', '.join(COMMANDS)}")
-    module_name, class_name = COMMANDS[argv[0]]
-    module = importlib.import_module(f"{__name__}.{module_name}")
-    cls = getattr(module, class_name)
+    module = importlib.import_module(f"{__name__}.{argv[0].replace('-', '')}")
+    cls = getattr(module, COMMANDS[argv[0]])
     parser = ArgumentParser(prog=f"python -m ray_job bench {argv[0]}", formatter_class=Formatter,
                             description=(module.__doc__ or "").split("\n\n")[0])
     add_dataclass_args(parser, cls)

@@ -98,8 +98,7 @@ def run(cfg: CheckpointBenchConfig, where: str, mode: str, cuda: bool) -> dict:
     files.close()
     saved = [e for e in storage.read_jsonl(store.join("events.jsonl")) if e["event"] == "checkpoint_saved"]
     store.delete()  # each run's checkpoints (--steps / --every of them, model-sized) go with it
-    plain = [t for i, t in enumerate(times) if i not in marks] or times
-    median = statistics.median(plain)
+    median = statistics.median([t for i, t in enumerate(times) if i not in marks] or times)
     stalls = [times[i] - median for i in marks]
     return dict(mode=mode, storage=where, steps=len(times), checkpoints=len(saved), reports=len(reports.calls),
                 images_per_s=cfg.batch_size * len(times) / sum(times), median_step_s=median,

@@ -1,8 +1,6 @@
-"""What the benchmarks share: the device and `train`'s own speed choices for it, timed steps, the
-machine's name, launching torchrun processes that find this ray_job, and joining Ray. And the
-ceiling: the device's dense matmul FLOP/s (fp32 on CPU; bf16 and fp32 on GPU), measured in the same
-run as a benchmark, and a model's FLOPs per image counted once with torch.utils.flop_counter, so
-that every images/s figure is also a share of the machine's peak."""
+"""What the benchmarks share: the device and `train`'s speed choices for it, timed steps, launchers
+(torchrun, Ray), and the ceiling: the device's dense matmul FLOP/s measured in the same run and a
+model's FLOPs per image (torch.utils.flop_counter), so that every images/s is also a share of the peak."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -79,6 +77,12 @@ def fast_setup(model_name: str, stem: str, batch: int, images: int, cuda: bool, 
         return ((x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in loader)
 
     return model, optimizer, batches, DeviceAugment(device, channels_last), device, bf16
+
+
+def timed(fn, *args) -> tuple[float, Any]:
+    started = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - started, result
 
 
 def machine_busy_s() -> Optional[float]:

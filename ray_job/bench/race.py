@@ -22,7 +22,7 @@ from ..config import DATASETS, MODELS, STEMS
 from ..core.errors import UsageError
 from ..core.flags import option
 from ..storage import read_json, read_jsonl
-from .common import BASELINE, check_workers, connect_ray, fmt, machine, run_torchrun
+from .common import BASELINE, check_workers, connect_ray, fmt, machine, run_torchrun, timed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +157,7 @@ def main(cfg: RaceConfig) -> dict:
     data_cfg = TrainConfig(data=cfg.data, data_dir=cfg.data_dir, synthetic_train_size=cfg.synthetic_train_size,
                            synthetic_test_size=cfg.synthetic_test_size)
     check_data(data_cfg)
-    t = time.time()
-    load_splits(data_cfg)  # decodes an image folder once into its cache, so neither recipe pays for it
-    data_s = time.time() - t
+    data_s = timed(load_splits, data_cfg)[0]  # an image folder decoded once into its cache: neither recipe pays
     cluster_s, threads = connect_ray(cfg.workers, cuda)
     load_before = os.getloadavg()
     report = dict(kind="to_accuracy", date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=machine(cuda),

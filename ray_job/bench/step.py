@@ -87,8 +87,7 @@ def bench_baseline(cfg: StepConfig, cuda: bool) -> dict:
     def batches():
         return iter(torch.utils.data.DataLoader(ds, batch_size=BASELINE.batch_size, shuffle=True, num_workers=0))
 
-    to_device = (lambda x, train: x.to(device))
-    return run_steps(model, batches, opt, to_device, device, False, cfg.baseline_steps, 1)
+    return run_steps(model, batches, opt, lambda x, train: x.to(device), device, False, cfg.baseline_steps, 1)
 
 
 def _ray_worker(config: dict) -> dict:

@@ -18,12 +18,11 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any
 
 from ..config import MODELS, TrainConfig
 from ..core.errors import UsageError
 from ..core.flags import option
-from .common import machine
+from .common import machine, timed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +49,8 @@ def epoch_row(epoch: int, epochs: int) -> dict:
                         peak_host_mem_gib=3.1, grad_bytes=94_000_000, steady_images_per_s=910.0).to_dict()
 
 
-def timed(fn, *args) -> tuple[float, Any]:
-    started = time.perf_counter()
-    result = fn(*args)
-    return time.perf_counter() - started, result
-
-
 def main(cfg: TrackingBenchConfig) -> dict:
     from .. import tracking
-    from ..storage import at
     from ..tracking.callback import EpochLogger
     from ..train import tracked
 
@@ -71,7 +63,7 @@ def main(cfg: TrackingBenchConfig) -> dict:
         logger = EpochLogger(started.run.settings, started.run_id)
         per_epoch = [timed(logger.after_report, None, [epoch_row(e, cfg.epochs)] * 2, None)[0]
                      for e in range(1, cfg.epochs + 1)]
-        write_run_files(run, at)
+        write_run_files(run)
         end, _ = timed(started.finish, 0)
     report = dict(kind="tracking", date=time.strftime("%Y-%m-%d %H:%M:%S %z"), device=machine(False),
                   store=run.mlflow_uri if cfg.mlflow_uri else "sqlite:///<tmp>/mlflow.db (local default)",
@@ -85,12 +77,12 @@ def main(cfg: TrackingBenchConfig) -> dict:
     return report
 
 
-def write_run_files(cfg: TrainConfig, at) -> None:
+def write_run_files(cfg: TrainConfig) -> None:
     """What the driver finds at the end: a real checkpoint of the model and the run's files."""
     import torch
 
     from ..model.resnet import build_model
-    from ..storage import write_json
+    from ..storage import at, write_json
     from ..train.checkpoint import save_checkpoint
     from ..train.runfiles import CONFIG_JSON, METRICS_CSV, METRICS_JSONL, SUMMARY_JSON
 

@@ -7,10 +7,8 @@ The same model, global batch and steps, run four times on synthetic data:
     torchrun  our loop       this project's step (uint8 batches, device augmentation, Speed.choose)
     ray       our loop       the same under Ray Train, as `train` runs it
 Under torchrun the loops wrap DDP and a DistributedSampler themselves, exactly as Ray's prepare_*
-helpers do; everything else is the same function (`run_loop`). Each run reports steady images/s
-(the timed steps after the warm-up ones), the time from launch to the first finished step, and
-each process's peak memory; the ratios are Ray/torchrun for the same loop and ours/the baseline's
-loop, with each run's share of the device's measured peak (common.py).
+helpers do; everything else is the same function (`run_loop`). The ratios: Ray/torchrun for the
+same loop, ours/the baseline's loop; each run also as a share of the device's peak (common.py).
 
     python -m ray_job bench vs-ddp --workers 2
 """
@@ -86,11 +84,9 @@ def launch(launcher: str, spec: RunSpec, workers: int, work: str, timeout: float
 
 
 def main(cfg: VsDdpConfig) -> dict:
-    """The four runs, the ceiling and the ratios, as one report."""
     from ..model.resnet import build_model
 
     cuda = torch.cuda.is_available()
-    # the baseline's global batch of 128 unless given; enough steps to be steady
     size = dict(model=cfg.model, stem=cfg.stem, global_batch=cfg.batch_size or BASELINE.batch_size,
                 steps=cfg.steps or (50 if cuda else 12), warmup=cfg.warmup or (10 if cuda else 2))
     check_workers(cfg.workers, size["global_batch"], cuda)
