@@ -208,8 +208,10 @@ class TrainConfig:
             raise UsageError("--label-smoothing must be below 1")
         if self.resource_wait_s <= 0 or self.collective_timeout_s <= 0 or self.grow_check_s <= 0:
             raise UsageError("--resource-wait-s, --collective-timeout-s and --grow-check-s must be positive")
-        if self.num_workers:
-            self.check_min_workers(self.num_workers)
+        # against the given --num-workers, or the count train/trainer.py takes from the cluster (replace() checks again)
+        if self.num_workers and self.min_workers > self.num_workers:
+            raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers {self.num_workers}; "
+                             f"give --min-workers <= --num-workers")
         if self.image_size < 8:
             raise UsageError(f"--image-size must be at least 8, got {self.image_size}")
         if self.image_size != 32 and self.data in ("cifar10", "synthetic"):
@@ -218,9 +220,6 @@ class TrainConfig:
                              f"ray_job prepare-data --from cifar10 ...` to resize it")
         if self.loader_workers < -1:
             raise UsageError("--loader-workers must be -1 (auto) or a count >= 0")
-        self.check_tracking()
-
-    def check_tracking(self) -> None:
         if split_userinfo(self.mlflow_uri)[1]:
             raise UsageError(f"--mlflow-uri {split_userinfo(self.mlflow_uri)[0]} holds a user name (and "
                              f"password), which would show in logs and process lists; give the bare URI and "
@@ -229,13 +228,6 @@ class TrainConfig:
             object.__setattr__(self, "mlflow", True)
         if self.mlflow_register and not self.mlflow:
             raise UsageError("--mlflow-register needs --mlflow (or --mlflow-uri): tracking is off without it")
-
-    def check_min_workers(self, num_workers: int) -> None:
-        """--min-workers fits the run's `num_workers` (the given --num-workers, or the count taken
-        from the cluster when it is 0)."""
-        if self.min_workers > num_workers:
-            raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers {num_workers}; "
-                             f"give --min-workers <= --num-workers")
 
     # Derived values: computed, never stored, so a dict round-trip cannot make them stale.
     def per_worker_batch(self, world_size: int) -> int:
