@@ -88,9 +88,7 @@ class StepControl:
         self.busy, self.upload_over = busy, upload_over
         self._last_checkpoint = time.monotonic()
         self._pending: Optional[tuple] = None  # (step to read at, work, host tensor, event)
-        self._watcher: Optional[Watcher] = None
-        if master_process and not at(run_dir).is_local:
-            self._watcher = Watcher(run_dir)
+        self._watcher = Watcher(run_dir) if master_process and not at(run_dir).is_local else None
         self._look = self._watcher or (lambda: stop.requested(run_dir))
 
     def close(self) -> None:
