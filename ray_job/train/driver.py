@@ -100,11 +100,9 @@ def run_training(cfg: TrainConfig, parent_id: Optional[str] = None) -> int:
 def run_in_folder(cfg: TrainConfig, started: float, stopping: Callable[[str], AbstractContextManager[Any]],
                   parent_id: Optional[str] = None, command: str = "train", callbacks: Sequence[Any] = (),
                   tags: Callable[[int], dict] = lambda rc: {}, show_config: bool = False) -> int:
-    """One run's lifecycle, the same for `train`, a sweep's point and a search's trial: the run
-    folder leased and opened -> stop requests watched (`stopping(run_dir)`: a context yielding what
-    fit_and_summarise asks of stop.Signals) -> workers decided, config.json written -> its MLflow run
-    (child of `parent_id`, tagged with `command`) -> fit and summary -> the MLflow run completed (with
-    `tags(exit code)`); the exit code. `callbacks`: more Ray Train callbacks."""
+    """One run's lifecycle, the same for `train`, a sweep's point and a search's trial; the exit code.
+    `stopping(run_dir)`: a context yielding what fit_and_summarise asks of stop.Signals; the MLflow run is
+    a child of `parent_id`, tagged with `command`, completed with `tags(exit code)`; `callbacks`: Ray Train's."""
     with run_folder(cfg), stopping(cfg.run_dir()) as signals:
         try:
             connect(cfg)
