@@ -164,13 +164,11 @@ class BelowMinimum:
         self.cfg, self.since = cfg, None
 
     def __call__(self) -> Optional[str]:
-        fits = workers_that_fit(self.cfg.cpus_per_worker, self.cfg.gpus_in_use)
-        if fits >= self.cfg.min_workers:
+        if workers_that_fit(self.cfg.cpus_per_worker, self.cfg.gpus_in_use) >= self.cfg.min_workers:
             self.since = None
             return None
-        now = time.monotonic()
-        self.since = self.since or now
-        if now - self.since < self.cfg.resource_wait_s:
+        self.since = self.since or time.monotonic()
+        if time.monotonic() - self.since < self.cfg.resource_wait_s:
             return None
         return f"below --min-workers {self.cfg.min_workers} for {self.cfg.resource_wait_s:g} s"
 

@@ -71,9 +71,8 @@ class TrialSetup:
 
     base: dict                 # the fixed train flags (TrainConfig.to_dict())
     search_dir: str            # <storage-path>/<search name>
-    # The driver's object-storage settings (AWS_*) and tracking credentials: the trial function
-    # writes its run's files and MLflow run as the train driver does, in an actor that may run
-    # where the user's shell did not set them.
+    # The driver's object-storage settings (AWS_*) and tracking credentials, for a trial's actor
+    # that may run where the user's shell did not set them.
     env: tuple[tuple[str, str], ...] = ()
     parent_id: str = ""        # --mlflow: the search's MLflow run, each trial's run its child
 
