@@ -102,18 +102,18 @@ def make_loaders(cfg: TrainConfig, data: Datasets, worker: Worker, use_cuda: boo
     return place.loader(train, True), place.loader(test, False)
 
 
-def first_error(error: Optional[str], world: int) -> Optional[str]:
-    """The first rank's bad-input error, known to every rank (so all of them stop together)."""
+def gather(obj: Any, world: int) -> list:
+    """`obj` of every rank, in rank order, on every rank."""
     if world == 1:
-        return error
+        return [obj]
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, error)
-    return next((e for e in everyone if e), None)
+    dist.all_gather_object(everyone, obj)
+    return everyone
 
 
 @dataclass
 class Run:
-    """What one worker trains with. `master_process` alone decides the side effects (files, logs)."""
+    """What one worker trains with. `worker.master_process` alone decides the side effects (files, logs)."""
 
     cfg: TrainConfig
     worker: Worker
@@ -130,18 +130,10 @@ class Run:
     store: storage.Location  # the run folder
     files: Optional[RunLog]  # the master process's writer of the run folder; None elsewhere
 
-    @property
-    def world(self) -> int:
-        return self.worker.world
-
-    @property
-    def master_process(self) -> bool:
-        return self.worker.master_process
-
     def state(self, epoch: int, step: int, metrics: Optional[EpochMetrics]) -> dict:
         """Keyword arguments of save_checkpoint for this position."""
         return dict(model=unwrap(self.model), optimizer=self.optimizer,
-                    config=self.cfg.to_dict(), world_size=self.world, epoch=epoch, step=step,
+                    config=self.cfg.to_dict(), world_size=self.worker.world, epoch=epoch, step=step,
                     metrics=metrics.to_dict() if metrics else {})
 
 
@@ -154,11 +146,8 @@ def log_topology(run: Run, backend: str) -> None:
     logging.getLogger("ray_job.worker").warning(
         "worker rank %(rank)d: node %(node_rank)d (%(hostname)s %(node_ip)s) local rank "
         "%(local_rank)d device %(device)s pid %(pid)d", me)
-    everyone = [me]
-    if run.world > 1:
-        everyone = [None] * run.world
-        dist.all_gather_object(everyone, me)
-    if not run.master_process:
+    everyone = gather(me, run.worker.world)
+    if not run.worker.master_process:
         return
     nodes = sorted({w["node_id"] for w in everyone})  # Ray nodes, even when they share an IP
     master = f"{os.environ.get('MASTER_ADDR', everyone[0]['node_ip'])}:{os.environ.get('MASTER_PORT', '?')}"
@@ -185,11 +174,11 @@ def epoch_metrics(run: Run, epoch: int, train: EpochStats, test: EpochStats,
         epoch_s=train.wall_s + test.wall_s, train_s=train.wall_s, eval_s=test.wall_s,
         images_per_s=count / max(train.wall_s, 1e-9), data_s=train.data_s,
         compute_s=train.wall_s - train.data_s, fwd_bwd_s=train.fwd_bwd_s, optim_s=train.optim_s,
-        steps=train.steps, lr=run.optimizer.param_groups[0]["lr"], world_size=run.world,
+        steps=train.steps, lr=run.optimizer.param_groups[0]["lr"], world_size=run.worker.world,
         time=time.time(), peak_host_mem_gib=peak_rss_gib(),
         grad_bytes=gradient_bytes(unwrap(run.model)),
         # skip the first steps (allocation, autotuning); the median resists noisy neighbours
-        steady_images_per_s=(run.cfg.global_batch(run.world) / statistics.median(steady)
+        steady_images_per_s=(run.cfg.global_batch(run.worker.world) / statistics.median(steady)
                              if steady else None),
         peak_gpu_mem_gib=torch.cuda.max_memory_allocated(run.device) / 2**30 if cuda else None,
         comm_wait_s_per_step=comm_wait)
@@ -199,22 +188,22 @@ def announce(run: Run, resume: Resume) -> None:
     cfg = run.cfg
     run.files.keep_epochs_up_to(resume.epoch)
     if resume.state is not None:
-        run.files.event(Event.RESUMED, epoch=resume.epoch, step=resume.step, world_size=run.world)
+        run.files.event(Event.RESUMED, epoch=resume.epoch, step=resume.step, world_size=run.worker.world)
         before = resume.state.get("world_size")
-        if before and before != run.world:  # an elastic resize, or a rerun with another size
-            run.files.event(Event.WORLD_SIZE_CHANGED, before=before, after=run.world,
-                            batch_mode=cfg.batch_mode, global_batch=cfg.global_batch(run.world),
-                            lr=cfg.scaled_lr(run.world))
+        if before and before != run.worker.world:  # an elastic resize, or a rerun with another size
+            run.files.event(Event.WORLD_SIZE_CHANGED, before=before, after=run.worker.world,
+                            batch_mode=cfg.batch_mode, global_batch=cfg.global_batch(run.worker.world),
+                            lr=cfg.scaled_lr(run.worker.world))
             log.info("world size changed %d -> %d; --batch-mode %s: global batch %d -> %d (%d per "
                      "worker), peak lr %.4g -> %.4g; epoch %d is redone from its start (the sampler "
-                     "re-shards for %d workers)", before, run.world, cfg.batch_mode,
-                     cfg.global_batch(before), cfg.global_batch(run.world),
-                     cfg.per_worker_batch(run.world), cfg.scaled_lr(before), cfg.scaled_lr(run.world),
-                     resume.epoch + 1, run.world)
+                     "re-shards for %d workers)", before, run.worker.world, cfg.batch_mode,
+                     cfg.global_batch(before), cfg.global_batch(run.worker.world),
+                     cfg.per_worker_batch(run.worker.world), cfg.scaled_lr(before), cfg.scaled_lr(run.worker.world),
+                     resume.epoch + 1, run.worker.world)
     log.info("training %s/%s stem on %d worker(s): %d steps/epoch, global batch %d (%d per "
-             "worker, --batch-mode %s), peak lr %.4g, %s, data: %s", cfg.model, cfg.stem, run.world,
-             run.steps_per_epoch, cfg.global_batch(run.world), cfg.per_worker_batch(run.world),
-             cfg.batch_mode, cfg.scaled_lr(run.world), "bf16" if run.speed.bf16 else "fp32",
+             "worker, --batch-mode %s), peak lr %.4g, %s, data: %s", cfg.model, cfg.stem, run.worker.world,
+             run.steps_per_epoch, cfg.global_batch(run.worker.world), cfg.per_worker_batch(run.worker.world),
+             cfg.batch_mode, cfg.scaled_lr(run.worker.world), "bf16" if run.speed.bf16 else "fp32",
              run.data_what)
 
 

@@ -158,7 +158,6 @@ class Checkpointer:
         self._metrics: dict = {}
         self._last_snapshot = None  # rank 0: the next snapshot is copied into it (its upload was reported)
 
-    # --- the master process's upload ---
     def busy(self) -> bool:
         """An upload is in flight, or over and not yet reported."""
         return self._upload is not None
@@ -171,7 +170,6 @@ class Checkpointer:
         if self._upload is not None:
             self._upload.exception()  # waits; the error is for report_saved
 
-    # --- saving ---
     def save(self, state: Callable[[], dict], metrics: dict, final: bool = False) -> Optional[str]:
         """Every rank calls this at the same point, with nothing unreported. `state()` builds
         training_state()'s arguments (rank 0 only calls it). Returns the error of a `final`
@@ -217,7 +215,6 @@ class Checkpointer:
                          cpu_s=time.thread_time() - cpu)
         return dest.path, None
 
-    # --- resuming ---
     def choose(self, recorded: Optional[str]) -> tuple[Optional[str], Optional[dict]]:
         """Rank 0: the newest of this run's complete checkpoints (and `recorded`, the one Ray hands
         back) that verifies, and its state (None, None: there is none)."""

@@ -71,10 +71,8 @@ class Watcher:
 
 
 class StepControl:
-    """`after_step()`: the Decision after a step (every rank calls it after the same steps);
-    `look_now()`: a blocking look. Rank 0's flags: the stop request, `busy()` (an upload in flight or
-    unreported: no timed checkpoint falls due), `upload_over()`, and its checkpoint clock
-    (`checkpoint_every_s`, restarted by `checkpointed()`)."""
+    """Rank 0's flags, for every rank after the same steps: the stop request, `upload_over()`, and its
+    checkpoint clock (`checkpoint_every_s`, restarted by `checkpointed()`; nothing falls due while `busy()`)."""
 
     STOP, CHECKPOINT, SAVED = 1, 2, 4
 
@@ -88,9 +86,7 @@ class StepControl:
         self.busy, self.upload_over = busy, upload_over
         self._last_checkpoint = time.monotonic()
         self._pending: Optional[tuple] = None  # (step to read at, work, host tensor, event)
-        self._watcher: Optional[Watcher] = None
-        if master_process and not at(run_dir).is_local:
-            self._watcher = Watcher(run_dir)
+        self._watcher = Watcher(run_dir) if master_process and not at(run_dir).is_local else None
         self._look = self._watcher or (lambda: stop.requested(run_dir))
 
     def close(self) -> None:

@@ -30,12 +30,13 @@ from ..core.paths import is_uri
 from ..data.datasets import check_data
 from ..storage import StorageError
 from ..storage.lease import Lease
-from . import stop, tracked
+from . import metrics, stop, tracked
 from .checkpoint import load_checkpoint
 from .checkpointer import SCORE_METRIC, SCORE_ORDER, in_thread
-from .runfiles import CONFIG_JSON
+from .runfiles import CONFIG_JSON, METRICS_JSONL
+from .runlog import read_metrics
 from .trainer import (BelowMinimum, aborted, announce_finished, build_trainer, connect, finished_summary,
-                      resolve_workers, resources_lost, storage_failed, summary_table, write_summary)
+                      resolve_workers, resources_lost, storage_failed, write_summary)
 
 log = logging.getLogger("ray_job.driver")
 
@@ -99,11 +100,9 @@ def run_training(cfg: TrainConfig, parent_id: Optional[str] = None) -> int:
 def run_in_folder(cfg: TrainConfig, started: float, stopping: Callable[[str], AbstractContextManager[Any]],
                   parent_id: Optional[str] = None, command: str = "train", callbacks: Sequence[Any] = (),
                   tags: Callable[[int], dict] = lambda rc: {}, show_config: bool = False) -> int:
-    """One run's lifecycle, the same for `train`, a sweep's point and a search's trial: the run
-    folder leased and opened -> stop requests watched (`stopping(run_dir)`: a context yielding what
-    fit_and_summarise asks of stop.Signals) -> workers decided, config.json written -> its MLflow run
-    (child of `parent_id`, tagged with `command`) -> fit and summary -> the MLflow run completed (with
-    `tags(exit code)`); the exit code. `callbacks`: more Ray Train callbacks."""
+    """One run's lifecycle, the same for `train`, a sweep's point and a search's trial; the exit code.
+    `stopping(run_dir)`: a context yielding what fit_and_summarise asks of stop.Signals; the MLflow run is
+    a child of `parent_id`, tagged with `command`, completed with `tags(exit code)`; `callbacks`: Ray Train's."""
     with run_folder(cfg), stopping(cfg.run_dir()) as signals:
         try:
             connect(cfg)
@@ -204,8 +203,7 @@ def make_way(cfg: TrainConfig, resume: bool, refuse_other: bool) -> bool:
     return False
 
 
-def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any] = (),
-                      signals: Any = None) -> int:
+def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any], signals: Any) -> int:
     """Trains (TorchTrainer.fit, with Ray Train `callbacks`) and writes the summary; the exit code
     (a stop request's: `signals` says which)."""
     from ray.train import TrainingFailedError
@@ -237,17 +235,17 @@ def fit_and_summarise(cfg: TrainConfig, started: float, callbacks: Sequence[Any]
     if outcome.get("storage_error"):
         return storage_failed(cfg, started, outcome["storage_error"], latest)
     preempted = bool(outcome.get("preempted"))
-    reason = {"stopped": signals.reason if signals else "a stop request"} if preempted else {}
+    reason = {"stopped": signals.reason} if preempted else {}
     try:
         summary = write_summary(cfg, started, finished=not preempted, best_checkpoint=best,
                                 latest_checkpoint=latest, **reason)
-        print(summary_table(cfg))
+        print(metrics.table(read_metrics(storage.at(cfg.run_dir()).join(METRICS_JSONL))))
     except StorageError as e:
         return storage_failed(cfg, started, str(e), latest)
     if preempted:
         print(f"stopped at epoch {outcome['epoch'] + 1} step {outcome['step']} ({reason['stopped']}); "
               f"checkpoint saved. Run the same command again to continue.")
-        return signals.exit_code if signals else ExitCode.STOPPED
+        return signals.exit_code
     best_acc = summary["best_test_acc"]
     print(f"results: {cfg.run_dir()}\nbest checkpoint: {summary['best_checkpoint']} (test accuracy "
           f"{'-' if best_acc is None else f'{best_acc:.4f}'})")

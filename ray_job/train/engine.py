@@ -64,8 +64,6 @@ class EpochSteps:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loss_fn, self.preprocess, self.device = loss_fn, preprocess, device
         self.bf16, self.sync_timing = bf16, sync_timing
-        self.stats, self._loss_sum, self._correct = EpochStats(), 0, 0
-        self._start = time.perf_counter()
 
     def run(self, batches: Iterable, max_steps: int = 0, skip_steps: int = 0) -> Iterator[Step]:
         """A new epoch's steps over `batches`, skipping the first `skip_steps` and stopping after

@@ -23,21 +23,17 @@ class Quiet(UserCallback):
         self.notices = NOTICES  # a state to restore: pickle calls __setstate__ only then
 
     def __setstate__(self, state: dict) -> None:
+        """Records of NOTICES are made at DEBUG from now on in this process (once)."""
         self.__dict__.update(state)
-        demote_notices()
+        make = logging.getLogRecordFactory()
+        if getattr(make, "demotes", False):
+            return
 
+        def demoted(*args, **kwargs) -> logging.LogRecord:
+            record = make(*args, **kwargs)
+            if record.levelno == logging.INFO and str(record.msg).startswith(NOTICES):  # as Ray 2.60 words it
+                record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return record
 
-def demote_notices() -> None:
-    """Records of NOTICES are made at DEBUG from now on in this process (once)."""
-    make = logging.getLogRecordFactory()
-    if getattr(make, "demotes", False):
-        return
-
-    def demoted(*args, **kwargs) -> logging.LogRecord:
-        record = make(*args, **kwargs)
-        if record.levelno == logging.INFO and str(record.msg).startswith(NOTICES):  # as Ray 2.60 words it
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return record
-
-    demoted.demotes = True  # type: ignore[attr-defined]
-    logging.setLogRecordFactory(demoted)
+        demoted.demotes = True  # type: ignore[attr-defined]
+        logging.setLogRecordFactory(demoted)

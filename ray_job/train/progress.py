@@ -33,7 +33,6 @@ class Progress:
                  every_s: float = EVERY_S):
         self.mode, self.epochs, self.steps = mode, epochs, steps
         self.global_batch, self.log_every, self.every_s = global_batch, log_every, every_s
-        self.bar = None
 
     def start_epoch(self, epoch: int, start_step: int, eval_s: Optional[float]) -> None:
         """Epoch `epoch` (0-based) starts at `start_step`; an evaluation takes about `eval_s`."""

@@ -3,7 +3,7 @@
 
     cfg = tracking.check(cfg)                      # preflight: exit 2 in seconds if the store fails
     t = tracked.start(cfg, parent_id=...)          # the MLflow run (new or continued); None w/o --mlflow
-    rc = fit_and_summarise(cfg, started, [*t.callbacks()] if t else [])
+    rc = fit_and_summarise(cfg, started, [*t.callbacks()] if t else [], signals)
     t.finish(rc)                                   # catch-up, files, model, status; never raises
 
 Everything the MLflow run gets at the end comes from the run folder, so a run folder on s3:// works
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from .. import storage
 from ..config import TrainConfig
@@ -68,23 +68,33 @@ def start(cfg: TrainConfig, parent_id: Optional[str] = None, command: str = "tra
     made on the user's driver and handed to a process that lacks it (a Tune trial's actor)."""
     if not cfg.mlflow:
         return None
-    from ..tracking.facts import cluster_tags, code_tags, run_params
+    from ..tracking.facts import run_params
+
+    run, logged, start_s = _open(cfg, cfg.run_dir(), command, run_params(cfg), parent_id, settings, epochs=True)
+    print(f"tracking: MLflow run {run.run_id} ({'continued from epoch ' + str(logged) if run.continued else 'new'})"
+          f" in experiment {run.settings.experiment!r} at {run.settings.uri}", flush=True)
+    return Tracking(cfg, run, logged, start_s)
+
+
+def _open(cfg: TrainConfig, folder: str, command: str, params: dict, parent_id: Optional[str] = None,
+          settings: Optional[Settings] = None, epochs: bool = False) -> tuple[Any, int, float]:
+    """The MLflow run kept in `folder` (a child of `parent_id`), tagged and `params` logged; the
+    epochs it holds (with `epochs`) and the seconds it took. A store that fails is exit 2."""
+    from ..tracking.facts import cluster_tags, code_tags
     from ..tracking.runs import open_run
 
     settings = settings or Settings.of(cfg)
     started = time.monotonic()
     try:
-        run = open_run(settings, storage.at(cfg.run_dir()).join(MLFLOW_JSON), cfg.name, parent_id,
-                       tags={**code_tags(command), **cluster_tags(), "ray_job.run_dir": cfg.run_dir()})
-        run.log_params(run_params(cfg))
-        logged = run.logged_epochs()
+        run = open_run(settings, storage.at(folder).join(MLFLOW_JSON), cfg.name, parent_id,
+                       tags={**code_tags(command), **cluster_tags(), "ray_job.run_dir": folder})
+        run.log_params(params)
+        logged = run.logged_epochs() if epochs else 0
     except UsageError:
         raise
     except Exception as e:
         raise UsageError(problem(settings, e, time.monotonic() - started)) from None
-    print(f"tracking: MLflow run {run.run_id} ({'continued from epoch ' + str(logged) if run.continued else 'new'})"
-          f" in experiment {settings.experiment!r} at {settings.uri}", flush=True)
-    return Tracking(cfg, run, logged, time.monotonic() - started)
+    return run, logged, time.monotonic() - started
 
 
 def complete_finished(cfg: TrainConfig) -> None:
@@ -96,9 +106,7 @@ def complete_finished(cfg: TrainConfig) -> None:
 
     if read_state(storage.at(cfg.run_dir()).join(MLFLOW_JSON)).get("status") == "FINISHED":
         return
-    tracking = start(cfg)
-    if tracking is not None:
-        tracking.finish(ExitCode.DONE)
+    start(cfg).finish(ExitCode.DONE)  # --mlflow: never None
 
 
 def mlflow_status(exit_code: int) -> str:
@@ -153,17 +161,7 @@ def open_parent(cfg: TrainConfig, folder: str, command: str, params: dict):
     trials' runs; kept in `folder`, so a requeued sweep continues it. A failure is exit 2."""
     if not cfg.mlflow:
         return None
-    from ..tracking.facts import cluster_tags, code_tags
-    from ..tracking.runs import open_run
-
-    settings = Settings.of(cfg)
-    started = time.monotonic()
-    try:
-        parent = open_run(settings, storage.at(folder).join(MLFLOW_JSON), cfg.name,
-                          tags={**code_tags(command), **cluster_tags(), "ray_job.run_dir": folder})
-        parent.log_params(params)
-    except Exception as e:
-        raise UsageError(problem(settings, e, time.monotonic() - started)) from None
+    parent = _open(cfg, folder, command, params)[0]
     print(f"tracking: MLflow run {parent.run_id} ({'continued' if parent.continued else 'new'}) for "
           f"{command} {cfg.name!r}: one child run per {'trial' if command == 'tune' else 'point'}", flush=True)
     return parent

@@ -21,7 +21,7 @@ from ..config import TrainConfig, choose_use_gpu
 from ..core.errors import UsageError
 from ..core.exits import ExitCode
 from ..storage import StorageError
-from . import metrics, stop
+from . import stop
 from .checkpointer import SCORE_METRIC, SCORE_ORDER, saved_checkpoints
 from .runfiles import EVENTS_JSONL, METRICS_JSONL, SUMMARY_JSON, Event
 from .runlog import read_metrics
@@ -87,26 +87,25 @@ def resolve_workers(cfg: TrainConfig) -> TrainConfig:
     need, flag = (cfg.min_workers, "--min-workers") if cfg.min_workers else (num_workers, "--num-workers")
     if need > fits:
         raise UsageError(f"{flag} {need} cannot fit: the cluster holds at most {fits} "
-                         f"worker(s) of {worker_size(cfg.cpus_per_worker, cfg.gpus_in_use)} each; lower "
+                         f"worker(s) of {worker_size(cfg)} each; lower "
                          f"{flag} or --cpus-per-worker, or add nodes")
     return cfg
 
 
-def worker_size(cpus: float, gpus: float) -> str:
-    return f"{cpus:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
+def worker_size(cfg: TrainConfig) -> str:
+    return f"{cfg.cpus_per_worker:g} CPU" + (f" + {cfg.gpus_in_use:g} GPU" if cfg.gpus_in_use else "")
 
 
 def missing_resources(cfg: TrainConfig) -> str:
     """What the cluster lacks for this run's workers, in words (for the resource-wait error)."""
     import ray
 
-    gpus = cfg.gpus_in_use
     nodes = ray.nodes()
     alive = [n for n in nodes if n.get("Alive")]
     dead = [n.get("NodeManagerAddress", "?") for n in nodes if not n.get("Alive")]
-    fits = workers_that_fit(cfg.cpus_per_worker, gpus, nodes)
+    fits = workers_that_fit(cfg.cpus_per_worker, cfg.gpus_in_use, nodes)
     text = (f"the cluster holds {fits} of the {cfg.num_workers} workers of "
-            f"{worker_size(cfg.cpus_per_worker, gpus)} each ({len(alive)} node(s) alive")
+            f"{worker_size(cfg)} each ({len(alive)} node(s) alive")
     return text + (f"; lost: {', '.join(sorted(set(dead)))})" if dead else ")")
 
 
@@ -165,13 +164,11 @@ class BelowMinimum:
         self.cfg, self.since = cfg, None
 
     def __call__(self) -> Optional[str]:
-        fits = workers_that_fit(self.cfg.cpus_per_worker, self.cfg.gpus_in_use)
-        if fits >= self.cfg.min_workers:
+        if workers_that_fit(self.cfg.cpus_per_worker, self.cfg.gpus_in_use) >= self.cfg.min_workers:
             self.since = None
             return None
-        now = time.monotonic()
-        self.since = self.since or now
-        if now - self.since < self.cfg.resource_wait_s:
+        self.since = self.since or time.monotonic()
+        if time.monotonic() - self.since < self.cfg.resource_wait_s:
             return None
         return f"below --min-workers {self.cfg.min_workers} for {self.cfg.resource_wait_s:g} s"
 
@@ -220,10 +217,6 @@ def write_summary(cfg: TrainConfig, started: float, finished: bool, **extra) -> 
                    num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, **extra)
     storage.write_json(run_dir.join(SUMMARY_JSON), summary)
     return summary
-
-
-def summary_table(cfg: TrainConfig) -> str:
-    return metrics.table(read_metrics(storage.at(cfg.run_dir()).join(METRICS_JSONL)))
 
 
 def aborted(cfg: TrainConfig, started: float, signals: stop.Signals) -> int:

@@ -24,8 +24,8 @@ from ..config import TrainConfig
 from ..core.errors import UsageError
 from ..core.jsonio import finite
 from ..data.datasets import load_datasets
-from .build import (Run, Worker, announce, build_run, epoch_metrics, first_error, log_topology, ray_placement,
-                    run_store, setup_logging)
+from .build import (Run, Worker, announce, build_run, epoch_metrics, gather, log_topology, ray_placement, run_store,
+                    setup_logging)
 from .checkpointer import UNSCORED, Checkpointer, RayLink, Resume, where
 from .control import GO_ON, Decision, StepControl, controlled_steps
 from .engine import EpochStats, evaluate, measure_comm_wait
@@ -69,7 +69,7 @@ def train_loop_per_worker(config: dict) -> dict:
         resume = resume_state(cfg, checkpointer, worker)
     except UsageError as e:
         error = str(e)
-    error = first_error(error, worker.world)
+    error = next((e for e in gather(error, worker.world) if e), None)  # the first rank's, so all stop together
     if error:
         return {"usage_error": error}
     run = build_run(cfg, data, resume, worker, store, files, ray_placement())
@@ -97,7 +97,7 @@ def resume_state(cfg: TrainConfig, checkpointer: Checkpointer, worker: Worker) -
 
 def train_run(run: Run, resume: Resume, checkpointer: Checkpointer) -> dict:
     """From the resumed position to the last epoch or a stop: the outcome the driver reads."""
-    if run.master_process:
+    if run.worker.master_process:
         announce(run, resume)
     loop = Loop(run, checkpointer)
     try:
@@ -113,11 +113,11 @@ class Loop:
     def __init__(self, run: Run, checkpointer: Checkpointer):
         cfg = run.cfg
         self.run, self.cfg, self.checkpointer = run, cfg, checkpointer
-        self.control = StepControl(run.store, run.master_process, run.device,
+        self.control = StepControl(run.store, run.worker.master_process, run.device,
                                    checkpoint_every_s=cfg.checkpoint_every_min * 60,
                                    busy=checkpointer.busy, upload_over=checkpointer.upload_over)
-        self.progress = (Progress(cfg.progress, cfg.epochs, run.steps_per_epoch, cfg.global_batch(run.world),
-                                  cfg.log_every) if run.master_process else None)
+        self.progress = (Progress(cfg.progress, cfg.epochs, run.steps_per_epoch, cfg.global_batch(run.worker.world),
+                                  cfg.log_every) if run.worker.master_process else None)
         self.finished: Optional[EpochMetrics] = None  # the metrics of the last epoch finished here
         self.comm_wait: Optional[float] = None
         self.storage_error: Optional[str] = None     # the final checkpoint's, if it was not saved
@@ -143,7 +143,7 @@ class Loop:
         run = self.run
         if isinstance(getattr(run.train_loader, "sampler", None), DistributedSampler):
             run.train_loader.sampler.set_epoch(done)  # a new shuffle every epoch
-        if run.master_process:
+        if run.worker.master_process:
             run.files.event(Event.EPOCH_START, epoch=done + 1, step=skip)
             self.progress.start_epoch(done, skip, self.finished.eval_s if self.finished else None)
         position, decision = skip, GO_ON
@@ -155,7 +155,7 @@ class Loop:
             if decision is not GO_ON:
                 self.act(decision, done, position)
         stats = run.steps.finish()
-        if run.master_process:
+        if run.worker.master_process:
             self.progress.close()
             if first and stats.first_step_time is not None:
                 run.files.event(Event.FIRST_STEP, time=stats.first_step_time, epoch=done + 1)
@@ -164,12 +164,12 @@ class Loop:
     def evaluate(self, done: int, stats: EpochStats) -> None:
         """The finished epoch's global metrics (with --measure-comm-wait, DDP's all-reduce wait)."""
         run = self.run
-        if self.comm_wait is None and run.world > 1 and self.cfg.measure_comm_wait:
+        if self.comm_wait is None and run.worker.world > 1 and self.cfg.measure_comm_wait:
             self.comm_wait = measure_comm_wait(run.steps, next(iter(run.train_loader)))
         test = evaluate(run.model, run.test_loader, torch.nn.CrossEntropyLoss(), run.steps.preprocess, run.device,
                         run.speed.bf16)
         self.finished = epoch_metrics(run, done, stats, test, self.comm_wait)
-        if run.master_process:
+        if run.worker.master_process:
             run.files.epoch(self.finished)
             log.info(self.finished.line())
 
@@ -204,7 +204,7 @@ class Loop:
         """The loop's result; rank 0 writes the run files that are left and adds a storage error."""
         outcome = {"preempted": True, "epoch": done, "step": step} if stopped else {"preempted": False, "epoch": done}
         error = self.storage_error
-        if self.run.master_process:
+        if self.run.worker.master_process:
             unwritten = self.run.files.close(0.0 if error else self.cfg.retry_storage_s)
             error = error or unwritten
         if error:

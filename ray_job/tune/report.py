@@ -66,8 +66,7 @@ def trial_row(folder: storage.Location, names: list[str], metric: str, mode: str
 
 def collect(search_dir: storage.Location, names: list[str], metric: str, mode: str,
             errors: Optional[dict[str, str]] = None) -> list[dict]:
-    rows = [trial_row(f, names, metric, mode, errors or {}) for f in trial_folders(search_dir)]
-    return [r for r in rows if r is not None]
+    return [r for f in trial_folders(search_dir) if (r := trial_row(f, names, metric, mode, errors or {}))]
 
 
 def train_command(cfg: dict, storage_path: str, name: str) -> str:

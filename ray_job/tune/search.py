@@ -16,7 +16,6 @@ import os
 import platform
 import shlex
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from .. import storage
@@ -39,10 +38,8 @@ SEARCH_JSON = "search.json"
 TRIAL_RESOURCES = {"CPU": 0, "memory": 1}
 
 
-def run_search(search: Search, argv: list[str], callbacks: Sequence[Any] = (),
-               trial_callbacks: Sequence[Any] = ()) -> int:
-    """`python -m ray_job tune`: the exit code. `callbacks`: more Ray Tune callbacks on this driver
-    (e.g. a tracking parent run); `trial_callbacks`: see TrialSetup.callbacks."""
+def run_search(search: Search, argv: list[str]) -> int:
+    """`python -m ray_job tune`: the exit code."""
     search = dataclasses.replace(search, base=preflight(search.base))
     search_dir = storage.at(search.base.run_dir())
     record = {**search.record(), "command": "python -m ray_job tune " + shlex.join(argv)}
@@ -51,7 +48,7 @@ def run_search(search: Search, argv: list[str], callbacks: Sequence[Any] = (),
     control.ACTIVE = live = control.SearchControl(search_dir.uri)
     live.take_signals()  # from now on a stop request; again once Tune has put in its own
     try:
-        return searched(search, search_dir, record, live, callbacks, trial_callbacks)
+        return searched(search, search_dir, record, live)
     except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM before Tune ran
         print(f"tune: aborted by a second {live.signals.reason}", flush=True)
         return live.signals.exit_code
@@ -60,8 +57,7 @@ def run_search(search: Search, argv: list[str], callbacks: Sequence[Any] = (),
         live.give_back_signals()
 
 
-def searched(search: Search, search_dir: storage.Location, record: dict, live: control.SearchControl,
-             callbacks: Sequence[Any], trial_callbacks: Sequence[Any]) -> int:
+def searched(search: Search, search_dir: storage.Location, record: dict, live: control.SearchControl) -> int:
     connect(search.base)
     search, at_once = fit_cluster(search)
     storage.write_json(search_dir.join(SEARCH_JSON), record)
@@ -77,7 +73,7 @@ def searched(search: Search, search_dir: storage.Location, record: dict, live: c
                                  {"space": " ".join(record["space"]), **record["options"]})
     errors: dict[str, str] = {}
     try:
-        grid = tuner_for(search, at_once, callbacks, trial_callbacks, parent.run_id if parent else "").fit()
+        grid = tuner_for(search, at_once, parent.run_id if parent else "").fit()
         errors = trial_errors(grid)
     except KeyboardInterrupt:
         print(f"tune: aborted by a second {live.signals.reason}; the trials resume from their last "
@@ -112,13 +108,12 @@ def fit_cluster(search: Search) -> tuple[Search, int]:
     """The workers per trial and the trials at once, checked against the cluster; every value of
     the space checked against the batch split."""
     base = resolve_workers(search.base)  # --num-workers must fit, alone
-    gpus = base.gpus_in_use
-    fits = workers_that_fit(base.cpus_per_worker, gpus)
+    fits = workers_that_fit(base.cpus_per_worker, base.gpus_in_use)
     most = fits // base.num_workers
     at_once = search.opts.max_concurrent_trials or min(most, search.opts.num_samples)
     if at_once > most:
         raise UsageError(f"--max-concurrent-trials {at_once} x --num-workers {base.num_workers} = "
-                         f"{at_once * base.num_workers} workers of {worker_size(base.cpus_per_worker, gpus)} "
+                         f"{at_once * base.num_workers} workers of {worker_size(base)} "
                          f"each, but the cluster holds at most {fits}; lower --max-concurrent-trials "
                          f"(at most {most} here) or --num-workers, or add nodes")
     worlds = {base.min_workers or base.num_workers, base.num_workers}
@@ -139,15 +134,14 @@ def describe(search: Search, at_once: int, command: str) -> dict:
                 how=how, metric=o.metric, log_scale={d.name: d.kind == "loguniform" for d in search.space})
 
 
-def tuner_for(search: Search, at_once: int, callbacks: Sequence[Any], trial_callbacks: Sequence[Any],
-              parent_id: str = ""):
+def tuner_for(search: Search, at_once: int, parent_id: str = ""):
     """A new Tuner, or the search's own continued from its state in the search folder."""
     from ray import tune
 
     root = storage.at(search.base.storage_path)
     fs = storage.for_ray(root, search.base.retry_storage_s)
     search_dir = root.join(search.base.name)
-    setup = TrialSetup(base=search.base.to_dict(), search_dir=search_dir.uri, callbacks=tuple(trial_callbacks),
+    setup = TrialSetup(base=search.base.to_dict(), search_dir=search_dir.uri,
                        env=trial_env(root.is_local, search.base.mlflow), parent_id=parent_id)
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), TRIAL_RESOURCES)
     if tune.Tuner.can_restore(search_dir.path, storage_filesystem=fs):
@@ -167,8 +161,7 @@ def tuner_for(search: Search, at_once: int, callbacks: Sequence[Any], trial_call
         run_config=tune.RunConfig(
             name=search.base.name, storage_path=root.path, storage_filesystem=fs, verbose=0,
             failure_config=tune.FailureConfig(max_failures=0),
-            callbacks=[SearchProgress(o.metric, o.direction, search.base.epochs, o.num_samples, search_dir.uri),
-                       *callbacks]))
+            callbacks=[SearchProgress(o.metric, o.direction, search.base.epochs, o.num_samples, search_dir.uri)]))
 
 
 def trial_env(local: bool, mlflow: bool) -> tuple[tuple[str, str], ...]:

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -67,17 +67,12 @@ def trial_dirname(trial: Any) -> str:
 
 @dataclass(frozen=True)
 class TrialSetup:
-    """What every trial shares (sent once to the cluster with tune.with_parameters).
-
-    `callbacks`: more Ray Train UserCallbacks for each trial's run, each made by calling the entry
-    with the trial's TrainConfig (experiment tracking adds its own here)."""
+    """What every trial shares (sent once to the cluster with tune.with_parameters)."""
 
     base: dict                 # the fixed train flags (TrainConfig.to_dict())
     search_dir: str            # <storage-path>/<search name>
-    callbacks: tuple[Callable[[TrainConfig], Any], ...] = ()
-    # The driver's object-storage settings (AWS_*) and tracking credentials: the trial function
-    # writes its run's files and MLflow run as the train driver does, in an actor that may run
-    # where the user's shell did not set them.
+    # The driver's object-storage settings (AWS_*) and tracking credentials, for a trial's actor
+    # that may run where the user's shell did not set them.
     env: tuple[tuple[str, str], ...] = ()
     parent_id: str = ""        # --mlflow: the search's MLflow run, each trial's run its child
 
@@ -134,8 +129,7 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     if status_of(read_summary(cfg.run_dir())) in (FINISHED, STOPPED_EARLY):
         return replay(cfg)
     why = StopReason(setup.search_dir, cfg.run_dir())
-    callbacks = [EpochResults(), *(make(cfg) for make in setup.callbacks)]
-    rc = run_in_folder(cfg, started, why.forwarded, setup.parent_id or None, "tune", callbacks,
+    rc = run_in_folder(cfg, started, why.forwarded, setup.parent_id or None, "tune", [EpochResults()],
                        tags=lambda rc: {"ray_job.early_stopped": str(is_stop(rc) and why.early).lower()})
     if is_stop(rc) and why.reason == SEARCH_STOPPED:
         park(cfg)
