@@ -25,7 +25,7 @@ def test_recipe_sets_defaults_but_flags_win():
 @pytest.mark.parametrize("argv, words", [
     (["--epochs", "0"], "--epochs must be a positive"),
     (["--batch-size", "-8"], "--batch-size must be a positive"),
-    (["--model", "vgg"], "invalid choice"),
+    (["--optimizer", "lamb"], "invalid choice"),
     (["--lr", "-1"], "--lr must not be negative"),
     (["--cpus-per-worker", "0"], "must be positive"),
     (["--label-smoothing", "1.5"], "below 1"),

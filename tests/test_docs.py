@@ -8,7 +8,7 @@ import torch
 
 from ray_job.config import TrainConfig, parse_train_args
 from ray_job.data.augment import DeviceAugment
-from ray_job.model.resnet import build_model
+from ray_job.model.zoo import named as build_model
 from ray_job.train.checkpoint import CHECKPOINT_FILE, save_checkpoint
 from ray_job.train.metrics import TABLE_HEAD
 

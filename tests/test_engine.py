@@ -8,7 +8,8 @@ from ray_job.data.arrays import ArrayDataset
 from ray_job.data.augment import DeviceAugment
 from ray_job.data.synthetic import make_synthetic
 from ray_job.train.engine import EpochSteps, evaluate, measure_comm_wait
-from ray_job.model.resnet import build_model, param_groups, unwrap
+from ray_job.model.parts import param_groups, unwrap
+from ray_job.model.zoo import named as build_model
 from ray_job.model.optim import LRFactor, build_optimizer, build_scheduler
 
 

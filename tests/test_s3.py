@@ -307,7 +307,7 @@ def seed_checkpoint(server, prefix: str, epoch: int) -> str:
     from ray_job import storage
     from ray_job.config import parse_train_args
     from ray_job.model.optim import build_optimizer
-    from ray_job.model.resnet import build_model
+    from ray_job.model.zoo import named as build_model
     from ray_job.train.checkpoint import save_checkpoint
 
     cfg = parse_train_args(TINY)

@@ -15,7 +15,8 @@ from conftest import TINY
 from ray_job.train import stop
 from ray_job.core.errors import UsageError
 from ray_job.core.exits import ExitCode
-from ray_job.model.resnet import build_model, gradient_bytes
+from ray_job.model.parts import gradient_bytes
+from ray_job.model.zoo import named as build_model
 from ray_job.scale import COLUMNS, main, parse_args
 from ray_job.scale.sweep import measure_all
 from ray_job.scale.report import write_outputs

@@ -143,7 +143,7 @@ def test_address_is_the_scripts(flags):
     (["tarin"], "unknown mode 'tarin'. HINT"),
     (["--epochs", "0"], "--epochs must be a positive number"),   # the config's own checks
     (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--model", "vgg"], "invalid choice: 'vgg'"),
+    (["--optimizer", "lamb"], "invalid choice: 'lamb'"),
     (["--name", ""], "--name need a value"),
     (["serve", "--epochs", "1"], "serve takes no flags"),
 ])

@@ -16,7 +16,7 @@ from ray_job.core.errors import UsageError
 from ray_job.data.arrays import ArrayDataset
 from ray_job.data.augment import DeviceAugment
 from ray_job.data.synthetic import make_synthetic
-from ray_job.model.resnet import build_model
+from ray_job.model.zoo import named as build_model
 from ray_job.storage import read_jsonl
 from ray_job.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from ray_job.train.driver import run_training

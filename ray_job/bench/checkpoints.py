@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ..config import MODELS, STEMS
+from ..config import RESNETS, STEMS
 from ..core.errors import UsageError
 from ..core.flags import option
 from .common import constant_scheduler, fast_setup, fmt, machine, machine_busy_s, own_usage
@@ -34,7 +34,7 @@ MODES = ("none", "sync", "async")
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointBenchConfig:
-    model: str = option("resnet50", "torchvision ResNet", choices=MODELS)
+    model: str = option("resnet50", "torchvision ResNet", choices=RESNETS)
     stem: str = option("imagenet", "the model's stem", choices=STEMS)
     batch_size: int = option(64, "batch size")
     steps: int = option(60, "timed steps per run")

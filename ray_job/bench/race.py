@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import DATASETS, MODELS, STEMS
+from ..config import DATASETS, RESNETS, STEMS
 from ..core.errors import UsageError
 from ..core.flags import option
 from ..storage import read_json, read_jsonl
@@ -30,7 +30,7 @@ class RaceConfig:
     target: float = option(0.5, "the test accuracy both recipes race to")
     budget_s: float = option(600.0, "time budget per recipe, seconds from its launch")
     workers: int = option(1, "processes (torchrun) and workers (Ray Train); one GPU each on GPU")
-    model: str = option("resnet50", "torchvision ResNet", choices=MODELS)
+    model: str = option("resnet50", "torchvision ResNet", choices=RESNETS)
     stem: str = option("imagenet", "the model's stem", choices=STEMS)
     eval_every_images: int = option(0, "evaluate every this many training images, for both recipes (0 = "
                                     "once per epoch)")

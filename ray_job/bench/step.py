@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ..config import MODELS
+from ..config import RESNETS
 from ..core.errors import UsageError
 from ..core.flags import option
 from ..peers.raw_ddp import baseline_optimizer, build_baseline_model
@@ -31,7 +31,7 @@ from .common import (BASELINE, device_and_flags, device_peaks, fast_setup, flop_
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    model: str = option("resnet50", "torchvision ResNet to time", choices=MODELS)
+    model: str = option("resnet50", "torchvision ResNet to time", choices=RESNETS)
     stems: str = option("", "comma list of stems (imagenet, cifar); default: imagenet on CPU, imagenet,cifar on GPU")
     batch_size: int = option(0, "batch size; 0 = 256 on CPU, 2048 (imagenet stem) / 512 (cifar stem) on GPU")
     steps: int = option(0, "timed steps; 0 = 4 on CPU, 50 on GPU")
@@ -121,7 +121,7 @@ def bench_ray(cfg: StepConfig, stem: str, cuda: bool) -> dict:
 
 def add_flop_shares(report: dict, cuda: bool) -> None:
     """The ceiling: each row's achieved FLOP/s as a share of the device's measured matmul peak."""
-    from ..model.resnet import build_model
+    from ..model.zoo import named as build_model
 
     cfg, peaks = report["config"], report["ceiling"]
     ours = "bf16" if device_and_flags(cuda)[1] else "fp32"

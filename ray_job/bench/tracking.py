@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 
-from ..config import MODELS, TrainConfig
+from ..config import RESNETS, TrainConfig
 from ..core.errors import UsageError
 from ..core.flags import option
 from .common import machine, timed
@@ -30,7 +30,7 @@ class TrackingBenchConfig:
     mlflow_uri: str = option("", "the store (http(s)://... or sqlite:///...); default: the local default in a "
                              "temporary folder")
     epochs: int = option(30, "epochs logged (one call each)")
-    model: str = option("resnet50", "the model logged at the end", choices=MODELS)
+    model: str = option("resnet50", "the model logged at the end", choices=RESNETS)
     out: str = option("results/bench_tracking.json", "where the JSON report goes")
 
     def __post_init__(self) -> None:
@@ -81,7 +81,7 @@ def write_run_files(cfg: TrainConfig) -> None:
     """What the driver finds at the end: a real checkpoint of the model and the run's files."""
     import torch
 
-    from ..model.resnet import build_model
+    from ..model.parts import build_model
     from ..storage import at, write_json
     from ..train.checkpoint import save_checkpoint
     from ..train.runfiles import CONFIG_JSON, METRICS_CSV, METRICS_JSONL, SUMMARY_JSON

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..config import MODELS, STEMS
+from ..config import RESNETS, STEMS
 from ..core.errors import UsageError
 from ..core.flags import option
 from ..storage import read_json, write_json
@@ -35,7 +35,7 @@ from .loops import LOOPS, RunSpec, _ray_worker
 @dataclasses.dataclass(frozen=True)
 class VsDdpConfig:
     workers: int = option(1, "processes (torchrun) and workers (Ray Train); one GPU each on GPU")
-    model: str = option("resnet50", "torchvision ResNet", choices=MODELS)
+    model: str = option("resnet50", "torchvision ResNet", choices=RESNETS)
     stem: str = option("imagenet", "the model's stem", choices=STEMS)
     batch_size: int = option(0, "global batch; 0 = the baseline's 128")
     steps: int = option(0, "timed steps; 0 = 12 on CPU, 50 on GPU")
@@ -84,7 +84,7 @@ def launch(launcher: str, spec: RunSpec, workers: int, work: str, timeout: float
 
 
 def main(cfg: VsDdpConfig) -> dict:
-    from ..model.resnet import build_model
+    from ..model.zoo import named as build_model
 
     cuda = torch.cuda.is_available()
     size = dict(model=cfg.model, stem=cfg.stem, global_batch=cfg.batch_size or BASELINE.batch_size,

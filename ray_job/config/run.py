@@ -20,9 +20,11 @@ from typing import Any, Optional
 from ..core.errors import UsageError
 from ..core.flags import flag_name, option
 from ..core.paths import join_path, resolve_path, split_userinfo
+from .families import AUTO_LR, is_resnet_family, is_transformer
 
-MODELS = ("resnet18", "resnet34", "resnet50")
+RESNETS = ("resnet18", "resnet34", "resnet50")  # the raw-DDP baseline's and the benchmarks' models
 STEMS = ("cifar", "imagenet")
+OPTIMIZERS = ("auto", "sgd", "adamw")
 DATASETS = ("cifar10", "imagefolder", "prepared", "synthetic")
 LOADERS = ("auto", "fast", "torchvision")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -32,9 +34,9 @@ GRAD_COMPRESSIONS = ("none", "bf16")
 TRISTATE = ("auto", "on", "off")
 PROGRESS = ("auto", "bar", "lines")
 # Fields added after runs were named by default_name(), with their defaults: they count only when set.
-ADDED_FIELDS = {"image_size": 32}
+ADDED_FIELDS = {"image_size": 32, "model_arg": [], "init_weights": "", "optimizer": "sgd"}
 # Fields that name files or folders: resolved once, on the driver (see `resolve_path`).
-PATH_FIELDS = ("data_dir", "storage_path", "resume_from")
+PATH_FIELDS = ("data_dir", "storage_path", "resume_from", "init_weights", "code_dir")
 # What each --data reads of the data fields (the rest does not change the run).
 UNREAD_BY_DATA = {"synthetic": ("data_dir", "download"),
                   "cifar10": ("synthetic_train_size", "synthetic_test_size"),
@@ -77,13 +79,15 @@ class TrainConfig:
     batch_mode: str = _opt("global", "'global': --batch-size is split across workers (the raw-DDP baseline's "
                            "fixed 128); 'per-worker': each worker takes --batch-size", "optimisation",
                            choices=BATCH_MODES)
-    lr: float = _opt(0.1, "peak learning rate for a global batch of --lr-ref-batch; scaled linearly with the "
-                     "real global batch", "optimisation")
+    optimizer: str = _opt("auto", "sgd (Nesterov momentum) or adamw; auto = adamw for transformers (ViT, Swin, "
+                          "MaxViT), sgd for the rest", "optimisation", choices=OPTIMIZERS)
+    lr: float = _opt(0.0, "peak learning rate for a global batch of --lr-ref-batch; scaled linearly with the "
+                     "real global batch; 0 = auto: 0.1 for sgd, 0.001 for adamw", "optimisation")
     lr_ref_batch: int = _opt(128, "global batch at which --lr applies unscaled", "optimisation")
     warmup_epochs: float = _opt(1.0, "linear LR warmup length in epochs", "optimisation")
     schedule: str = _opt("cosine", "LR after warmup: cosine decay to 0, onecycle (linear up, linear down), "
                          "or constant", "optimisation", choices=SCHEDULES)
-    momentum: float = _opt(0.9, "SGD momentum (Nesterov)", "optimisation")
+    momentum: float = _opt(0.9, "SGD momentum (Nesterov; adamw: unused)", "optimisation")
     weight_decay: float = _opt(5e-4, "weight decay", "optimisation")
     decay_norm_bias: bool = _opt(True, "apply weight decay to norm weights and biases too "
                                  "(--no-decay-norm-bias exempts them)", "optimisation", bool_flag=True)
@@ -92,11 +96,25 @@ class TrainConfig:
                                 "and scaling sweeps", "optimisation")
     seed: int = _opt(0, "random seed (model init, synthetic data, shuffling)", "optimisation")
     # --- model ---
-    model: str = _opt("resnet50", "torchvision ResNet depth (one output per class)", "model", choices=MODELS)
-    stem: str = _opt("cifar", "'cifar': 3x3 stride-1 first conv, no max-pool: full 32x32 resolution, ~16x "
-                     "the FLOPs of 'imagenet' (ResNet-50: 2.6 vs 0.17 GFLOPs per image forward), reaches "
-                     "~95%% on CIFAR-10; 'imagenet': 7x7 stride-2 conv + max-pool: 8x downsampled at once, "
-                     "very fast, tops out near 85%%", "model", choices=STEMS)
+    model: str = _opt("resnet50", "any torchvision image classifier, by builder (resnet50, wide_resnet50_2, "
+                      "resnext50_32x4d, regnet_y_400mf, convnext_tiny, efficientnet_b0, efficientnet_v2_s, "
+                      "mobilenet_v3_large, densenet121, vit_b_16, swin_t, maxvit_t, ...: torchvision."
+                      "models.list_models()) or class (VisionTransformer, with --model-arg), one output per "
+                      "class; or your own: pkg.module:function or ./file.py:function (docs/models.md)",
+                      "model")
+    model_arg: tuple = _opt((), "KEY=VALUE: a constructor option of the model (repeat for more), e.g. "
+                            "patch_size=4; VALUE is a Python literal or a string (default: no options)", "model",
+                            repeat=True)
+    code_dir: str = _opt(".", "the folder your own --model is imported from, on every worker (on a shared "
+                         "file system for multi-node clusters; `ray job submit --working-dir` ships it)",
+                         "model", affects_result=False)
+    init_weights: str = _opt("", "start from these weights: a state dict file (a torchvision weights file, a "
+                             "checkpoint.pt of a run), local or s3://; tensors whose name and shape fit "
+                             "are loaded, the rest (a head of another size) start new", "model")
+    stem: str = _opt("auto", "ResNet family only (auto = cifar). 'cifar': 3x3 stride-1 first conv, no max-pool: "
+                     "full 32x32 resolution, ~16x the FLOPs of 'imagenet' (ResNet-50: 2.6 vs 0.17 GFLOPs per "
+                     "image forward), reaches ~95%% on CIFAR-10; 'imagenet': 7x7 stride-2 conv + max-pool: 8x "
+                     "downsampled at once, very fast, tops out near 85%%", "model", choices=("auto", *STEMS))
     # --- data ---
     data: str = _opt("cifar10", "cifar10 (torchvision's cifar-10-batches-py under --data-dir, downloaded if "
                      "missing), imagefolder (DIR/train/<class>/*, DIR/test/<class>/*; prepared once into "
@@ -186,6 +204,13 @@ class TrainConfig:
                                 affects_result=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model_arg", tuple(self.model_arg or ()))  # a list from JSON or argparse
+        for item in self.model_arg:
+            if "=" not in item or not item.partition("=")[0].strip().isidentifier():
+                raise UsageError(f"--model-arg {item!r}: write KEY=VALUE, e.g. --model-arg patch_size=4")
+        if self.stem != "auto" and not is_resnet_family(self.model):
+            raise UsageError(f"--stem {self.stem} applies to the ResNet family (resnet*, wide_resnet*, "
+                             f"resnext*) only; leave it out for --model {self.model}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
@@ -243,11 +268,25 @@ class TrainConfig:
         """GPUs each worker holds: --gpus-per-worker when the run trains on GPUs, else none."""
         return self.gpus_per_worker if self.use_gpu else 0
 
+    @property
+    def stem_in_use(self) -> str:
+        """The stem the model is built with: 'none' outside the ResNet family; auto = cifar."""
+        return "none" if not is_resnet_family(self.model) else "cifar" if self.stem == "auto" else self.stem
+
+    @property
+    def optimizer_in_use(self) -> str:
+        return self.optimizer if self.optimizer != "auto" else "adamw" if is_transformer(self.model) else "sgd"
+
+    @property
+    def lr_in_use(self) -> float:
+        """--lr, or the optimizer's own (AUTO_LR) for --lr 0."""
+        return self.lr or AUTO_LR[self.optimizer_in_use]
+
     def global_batch(self, world_size: int) -> int:
         return self.per_worker_batch(world_size) * world_size
 
     def scaled_lr(self, world_size: int) -> float:
-        return self.lr * self.global_batch(world_size) / self.lr_ref_batch
+        return self.lr_in_use * self.global_batch(world_size) / self.lr_ref_batch
 
     def run_dir(self) -> str:
         """<storage-path>/<name>; absolute once `with_resolved_paths` has run on the driver."""
@@ -267,18 +306,31 @@ class TrainConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.metadata.get("affects_result", True)}
 
-    def default_name(self) -> str:
-        """ray_job_<data>_<model>_<hash of what the run computes>: the same command names the same
-        run in any folder, so running it again continues it (or says it is finished). Besides the
-        fields that change no result, the hash leaves out what this --data does not read, where the
-        run is written and under which name, and how long it goes on (--epochs: more of them extend
-        the run)."""
-        unread = {"name", "storage_path", "epochs", *UNREAD_BY_DATA[self.data]}
+    def computed(self, weights_sha256: str = "") -> dict:
+        """What this run computes, by field: the `affects_result` fields but where the run is written,
+        under which name and what this --data does not read; auto values as what they resolve to;
+        --init-weights by its content (`weights_sha256`) when the driver has read it; fields added
+        later only when set, so runs named before them keep their names."""
+        unread = {"name", "storage_path", *UNREAD_BY_DATA[self.data]}
         what = {k: v for k, v in sorted(self.result_fields().items()) if k not in unread}
-        # fields added later count only when set, so the names of existing runs stay the same
-        what = {k: v for k, v in what.items() if not (k in ADDED_FIELDS and v == ADDED_FIELDS[k])}
+        what.update(stem=self.stem_in_use, optimizer=self.optimizer_in_use, lr=self.lr_in_use,
+                    model_arg=list(self.model_arg), init_weights=weights_sha256 or self.init_weights)
+        return {k: v for k, v in what.items()
+                if not (k in ADDED_FIELDS and v == ADDED_FIELDS[k]) and not (k == "stem" and v == "none")}
+
+    def default_name(self, weights_sha256: str = "") -> str:
+        """ray_job_<data>_<model>_<hash of what the run computes>: the same command names the same
+        run in any folder, so running it again continues it (or says it is finished). The hash
+        leaves out how long it goes on (--epochs: more of them extend the run)."""
+        what = {k: v for k, v in self.computed(weights_sha256).items() if k != "epochs"}
         digest = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
         return f"ray_job_{self.data}_{self.model}_{digest}"
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> TrainConfig:
+        """The config of a config.json or a checkpoint, of this version or an earlier one (fields it
+        lacks take their defaults; fields it has that are gone are left out)."""
+        return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -290,7 +342,7 @@ class TrainConfig:
 # Presets change defaults only; flags given on the command line are applied on top.
 RECIPES: dict[str, dict[str, Any]] = {
     "default": {},
-    "fast": dict(stem="cifar", label_smoothing=0.1, schedule="onecycle", warmup_epochs=2.0,
+    "fast": dict(label_smoothing=0.1, schedule="onecycle", warmup_epochs=2.0,
                  decay_norm_bias=False, batch_size=1024, lr=0.2, lr_ref_batch=256,
                  weight_decay=5e-4, epochs=24),
 }

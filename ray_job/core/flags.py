@@ -45,7 +45,8 @@ def _value_type(field: dataclasses.Field) -> Any:
 def option(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field that `add_dataclass_args` turns into a flag. kw (metadata): group (an
     argument group), choices, bool_flag (--x/--no-x; implied for bool defaults), type (for Optional
-    fields), negative_alias (one more spelling of --no-x), affects_result (see the module)."""
+    fields), negative_alias (one more spelling of --no-x), repeat (a tuple: the flag given once per item),
+    affects_result (see the module)."""
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
@@ -61,7 +62,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: Sequenc
         group = parser if name is None else groups.get(name) or groups.setdefault(
             name, parser.add_argument_group((titles or {}).get(name, name)))
         flag = f"--{flag_name(f.name)}"
-        if meta.get("bool_flag") or isinstance(f.default, bool):
+        if meta.get("repeat"):  # a tuple field: the flag once per item (None, not the tuple: argparse appends)
+            group.add_argument(flag, dest=f.name, action="append", default=None, help=meta.get("help"),
+                               metavar=meta.get("metavar", "KEY=VALUE"))
+        elif meta.get("bool_flag") or isinstance(f.default, bool):
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=f.default, help=meta.get("help"))
         else:

@@ -54,14 +54,13 @@ def prepared_folder(cfg: TrainConfig, progress: bool = False) -> str:
     return out
 
 
-def check_data(cfg: TrainConfig) -> None:
+def check_data(cfg: TrainConfig) -> int:
     """Driver-side check that fails in seconds instead of inside every worker (and prepares an
-    image folder once, with a progress bar, before any worker starts)."""
+    image folder once, with a progress bar, before any worker starts); the number of classes."""
     if cfg.data == "synthetic":
-        return
+        return 10
     if cfg.data == "prepared" and is_uri(cfg.data_dir):
-        remote_manifest(cfg.data_dir)  # staged by the workers, once per node
-        return
+        return len(remote_manifest(cfg.data_dir)["classes"])  # staged by the workers, once per node
     if not os.path.exists(cfg.data_dir) and cfg.data != "cifar10":
         raise DataError(f"--data-dir {cfg.data_dir} does not exist"
                         + (f". {prepare_hint(cfg.data_dir)}" if cfg.data == "prepared" else ""))
@@ -72,9 +71,11 @@ def check_data(cfg: TrainConfig) -> None:
     if cfg.data == "cifar10":
         ensure_cifar10(cfg.data_dir, cfg.download)
         load_cifar10(cfg.data_dir, False)  # the small file: proves the format is readable
-        return
+        return 10
     folder = prepared_folder(cfg, progress=True)
-    PreparedImages(folder, "test", cfg.image_size, False)[0]  # proves the files are readable
+    test = PreparedImages(folder, "test", cfg.image_size, False)
+    test[0]  # proves the files are readable
+    return len(test.classes)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule built from the config."""
+"""Optimizer (SGD with Nesterov momentum, or AdamW) and learning-rate schedule built from the config."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..config import TrainConfig
-from .resnet import param_groups
+from .parts import param_groups
 
 
 class LRFactor:
@@ -32,6 +32,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, world_size: int,
     groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_bias)
     # fused kernels on CUDA, multi-tensor (foreach) elsewhere: one launch per group, not per tensor.
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if cfg.optimizer_in_use == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.scaled_lr(world_size), **fast)
     return torch.optim.SGD(groups, lr=cfg.scaled_lr(world_size), momentum=cfg.momentum,
                            nesterov=cfg.momentum > 0, **fast)
 

@@ -9,15 +9,20 @@ from torch import nn
 
 from ..config import Speed, TrainConfig
 from .optim import build_optimizer
-from .resnet import build_model, unwrap
+from . import weights, zoo
+from .parts import unwrap
 
 
 def model_and_optimizer(cfg: TrainConfig, num_classes: int, speed: Speed, world: int,
-                        place: Callable[..., nn.Module]) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """`cfg`'s ResNet, NHWC where `speed` says, placed on the device and wrapped in DDP by `place`
-    (Ray's prepare_model, or by hand), with --grad-compression and its optimizer; compiled last
-    with --compile (a checkpoint still loads into it: see `unwrap`)."""
-    model = build_model(cfg.model, cfg.stem, num_classes)
+                        place: Callable[..., nn.Module], fresh: bool = True
+                        ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """`cfg`'s model (from --init-weights when `fresh`: not resumed from a checkpoint), NHWC where
+    `speed` says, placed on the device and wrapped in DDP by `place` (Ray's prepare_model, or by
+    hand), with --grad-compression and its optimizer; compiled last with --compile (a checkpoint
+    still loads into it: see `unwrap`)."""
+    model = zoo.build(cfg, num_classes)
+    if cfg.init_weights and fresh:
+        weights.load(model, cfg.init_weights)
     if speed.channels_last:
         model = model.to(memory_format=torch.channels_last)
     # Gradients as views into DDP's buckets save a copy per step; compiled backward graphs may

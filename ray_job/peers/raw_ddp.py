@@ -36,7 +36,7 @@ import torchvision
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ..config import DATASETS, MODELS, STEMS, TrainConfig
+from ..config import DATASETS, RESNETS, STEMS, TrainConfig
 from ..core.errors import UsageError
 from ..core.flags import option
 from ..core.paths import resolve_path
@@ -46,7 +46,7 @@ from ..train.engine import EpochStats, evaluate, global_sums, peak_rss_gib
 
 @dataclasses.dataclass(frozen=True)
 class BaselineArgs:
-    model: str = option("resnet50", "torchvision ResNet", choices=MODELS)
+    model: str = option("resnet50", "torchvision ResNet", choices=RESNETS)
     stem: str = option("imagenet", "'imagenet': torchvision's own stem, as the baseline has it; 'cifar': ray_job's "
                        "CIFAR stem (for same-model comparisons)", choices=STEMS)
     num_classes: int = option(1000, "outputs of the head (the baseline keeps torchvision's 1000)")
@@ -138,7 +138,7 @@ def build_baseline_model(arch: str, num_classes: int, stem: str) -> nn.Module:
     """torchvision's ResNet with its own initialisation, as the baseline builds it."""
     model = torchvision.models.__dict__[arch](weights=None, num_classes=num_classes)
     if stem == "cifar":  # the one definition of the CIFAR stem is ray_job.model's
-        from ..model.resnet import build_model
+        from ..model.zoo import named as build_model
 
         ref = build_model(arch, "cifar", num_classes)
         model.conv1, model.maxpool = ref.conv1, ref.maxpool

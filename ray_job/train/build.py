@@ -24,7 +24,7 @@ from ..cluster import raypriv
 from ..config import Speed, TrainConfig
 from ..data.augment import return_large_allocations
 from ..data.datasets import Datasets
-from ..model.resnet import gradient_bytes, unwrap
+from ..model.parts import gradient_bytes, unwrap
 from ..model.setup import model_and_optimizer
 from .checkpointer import Resume
 from .engine import EpochStats, EpochSteps, global_sums, peak_rss_gib
@@ -200,11 +200,11 @@ def announce(run: Run, resume: Resume) -> None:
                      cfg.global_batch(before), cfg.global_batch(run.worker.world),
                      cfg.per_worker_batch(run.worker.world), cfg.scaled_lr(before), cfg.scaled_lr(run.worker.world),
                      resume.epoch + 1, run.worker.world)
-    log.info("training %s/%s stem on %d worker(s): %d steps/epoch, global batch %d (%d per "
-             "worker, --batch-mode %s), peak lr %.4g, %s, data: %s", cfg.model, cfg.stem, run.worker.world,
+    log.info("training %s (%s stem) on %d worker(s): %d steps/epoch, global batch %d (%d per "
+             "worker, --batch-mode %s), %s peak lr %.4g, %s, data: %s", cfg.model, cfg.stem_in_use, run.worker.world,
              run.steps_per_epoch, cfg.global_batch(run.worker.world), cfg.per_worker_batch(run.worker.world),
-             cfg.batch_mode, cfg.scaled_lr(run.worker.world), "bf16" if run.speed.bf16 else "fp32",
-             run.data_what)
+             cfg.batch_mode, cfg.optimizer_in_use, cfg.scaled_lr(run.worker.world),
+             "bf16" if run.speed.bf16 else "fp32", run.data_what)
 
 
 def build_run(cfg: TrainConfig, data: Datasets, resume: Resume, worker: Worker, store: storage.Location,
@@ -218,7 +218,8 @@ def build_run(cfg: TrainConfig, data: Datasets, resume: Resume, worker: Worker, 
     if speed.cuda:
         torch.backends.cudnn.benchmark = True
     train_loader, test_loader = make_loaders(cfg, data, worker, speed.cuda, place)
-    model, optimizer = model_and_optimizer(cfg, data.num_classes, speed, worker.world, place.model)
+    model, optimizer = model_and_optimizer(cfg, data.num_classes, speed, worker.world, place.model,
+                                           fresh=resume.state is None)
     device = next(model.parameters()).device
     steps = len(train_loader) if not cfg.steps_per_epoch else min(cfg.steps_per_epoch, len(train_loader))
     if resume.state is not None:  # the schedule is placed by position below, not by its state

@@ -190,7 +190,7 @@ def read_verified(file: Location) -> bytes:
 
 def restore_training_state(state: dict, *, model, optimizer) -> None:
     """Loads a checkpoint's states into freshly built (possibly wrapped) objects."""
-    from ..model.resnet import unwrap
+    from ..model.parts import unwrap
 
     unwrap(model).load_state_dict(state["model"])
     if state.get("optimizer") is not None:

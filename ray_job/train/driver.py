@@ -22,7 +22,6 @@ from typing import Any, Optional
 from .. import storage, tracking
 from ..cluster import raypriv
 from ..config import TrainConfig
-from ..config.run import UNREAD_BY_DATA
 from ..core.errors import UsageError
 from ..core.exits import ExitCode
 from ..core.flags import flag_name
@@ -66,23 +65,37 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
     """Decisions made once, on the driver, and checks that fail in seconds before Ray starts."""
     check_submitted_job_paths(cfg)
     cfg = cfg.with_resolved_paths()
-    if not cfg.name:
-        cfg = dataclasses.replace(cfg, name=cfg.default_name())
-    elif os.sep in cfg.name or cfg.name in (".", ".."):
+    if os.sep in cfg.name or cfg.name in (".", ".."):
         raise UsageError(f"--name {cfg.name!r} must be a plain folder name, not a path")
     if cfg.progress == "auto":  # a live bar when the user watches a terminal, plain lines in log files
         cfg = dataclasses.replace(cfg, progress="bar" if sys.stdout.isatty() else "lines")
+    weights_sha256 = check_model(cfg, check_data(cfg))
     try:  # --storage-path takes a write (object storage: endpoint, credentials, bucket), in seconds
         storage.check_writable(cfg.storage_path)
     except StorageError as e:
         raise UsageError(str(e)) from None
-    check_data(cfg)
+    if not cfg.name:
+        cfg = dataclasses.replace(cfg, name=cfg.default_name(weights_sha256))
     if cfg.resume_from:
-        saved = load_checkpoint(cfg.resume_from).get("config", {})  # raises a one-line CheckpointError
-        if saved.get("model") != cfg.model or saved.get("stem") != cfg.stem:
-            raise UsageError(f"--resume-from holds a {saved.get('model')}/{saved.get('stem')} stem "
-                             f"model; pass --model {saved.get('model')} --stem {saved.get('stem')}")
+        saved = TrainConfig.from_saved(load_checkpoint(cfg.resume_from).get("config", {}))  # or CheckpointError
+        if (saved.model, saved.stem_in_use, saved.model_arg) != (cfg.model, cfg.stem_in_use, cfg.model_arg):
+            flags = [f"--model {saved.model}", *(f"--model-arg {a}" for a in saved.model_arg)]
+            flags += [f"--stem {saved.stem_in_use}"] if saved.stem_in_use != "none" else []
+            raise UsageError(f"--resume-from holds another model: pass {' '.join(flags)}")
     return tracking.check(cfg)  # --mlflow: the store reached (the URI decided), else nothing
+
+
+def check_model(cfg: TrainConfig, num_classes: int = 10) -> str:
+    """The model built on the meta device at --image-size and --init-weights read against it (one
+    line each when they do not fit); the weights file's SHA-256, or ''."""
+    from ..model import weights, zoo
+
+    model = zoo.check(cfg, num_classes)
+    if not cfg.init_weights:
+        return ""
+    found, digest = weights.check(model, cfg.init_weights)
+    log.info("--init-weights %s: %s", cfg.init_weights, found.line())
+    return digest
 
 
 def run_training(cfg: TrainConfig, parent_id: Optional[str] = None) -> int:
@@ -171,9 +184,10 @@ def start_run(cfg: TrainConfig) -> TrainConfig:
 def same_run(cfg: TrainConfig, saved: dict) -> bool:
     """A run's saved config.json holds what `cfg` computes: every field that changes a result
     (`affects_result`) but where the run is written, its name, and what this --data does not read."""
-    unread = {"name", "storage_path", *UNREAD_BY_DATA[cfg.data]}
-    wanted = {k: v for k, v in cfg.result_fields().items() if k not in unread}
-    return {k: saved.get(k) for k in wanted} == wanted
+    try:
+        return TrainConfig.from_saved(saved).computed() == cfg.computed()
+    except UsageError:  # a config this version refuses: not this run
+        return False
 
 
 def make_way(cfg: TrainConfig, resume: bool, refuse_other: bool) -> bool:

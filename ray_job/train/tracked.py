@@ -136,7 +136,7 @@ def log_best_model(cfg: TrainConfig, run) -> Optional[str]:
     from torchvision.transforms import Normalize
 
     from ..data.augment import CIFAR10_MEAN, CIFAR10_STD
-    from ..model.resnet import build_model
+    from ..model.zoo import named as build_model
     from .checkpoint import load_checkpoint
 
     run_dir = storage.at(cfg.run_dir())
@@ -146,7 +146,7 @@ def log_best_model(cfg: TrainConfig, run) -> Optional[str]:
         return None
     state = load_checkpoint(best, near=run_dir)
     classes = int(state["model"]["fc.weight"].shape[0])
-    model = build_model(cfg.model, cfg.stem, classes)
+    model = build_model(cfg.model, cfg.stem, classes)  # TODO(merge)
     model.load_state_dict(state["model"])
     module = torch.nn.Sequential(Normalize(CIFAR10_MEAN, CIFAR10_STD), model).eval()
     pip = [f"torch=={torch.__version__.split('+')[0]}", f"torchvision=={torchvision.__version__.split('+')[0]}"]

@@ -28,7 +28,6 @@ from typing import Any, Union
 
 from ..config import TrainConfig, config_from_args
 from ..config.parser import add_config_args, apply_recipe
-from ..config.run import UNREAD_BY_DATA
 from ..core.errors import UsageError
 from ..core.flags import ArgumentParser, Formatter, add_dataclass_args, flag_name, flags_given, option
 
@@ -220,9 +219,7 @@ class Search:
         """What makes this search this search (search.json): a run of the same command continues
         it; other values under the same name are refused. Where and how wide it runs may change."""
         opts = {k: v for k, v in dataclasses.asdict(self.opts).items() if k not in ("space", "max_concurrent_trials")}
-        unread = ("name", "storage_path", *UNREAD_BY_DATA[self.base.data])
-        base = {k: v for k, v in self.base.result_fields().items() if k not in unread}
-        return dict(space=[d.text for d in self.space], options=opts, train=base)
+        return dict(space=[d.text for d in self.space], options=opts, train=self.base.computed())
 
 
 def build_parser(argv: list[str]) -> ArgumentParser:

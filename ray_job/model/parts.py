@@ -1,24 +1,9 @@
-"""ResNet models for 32x32 inputs, built from torchvision's definitions."""
+"""What the loop needs of any model: its plain module under the wrappers, its optimizer parameter groups,
+the bytes DDP all-reduces."""
 
 from __future__ import annotations
 
-import torchvision
 from torch import nn
-
-
-def build_model(name: str, stem: str, num_classes: int) -> nn.Module:
-    """A torchvision ResNet with `num_classes` outputs and the CIFAR or ImageNet stem.
-
-    zero_init_residual starts every residual branch at zero, which makes large-batch training
-    stable from the first step (Goyal et al., 2017).
-    """
-    model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes,
-                                              zero_init_residual=True)
-    if stem == "cifar":
-        # 32x32 images lose too much at a stride-2 7x7 conv + max-pool: keep full resolution.
-        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-        model.maxpool = nn.Identity()
-    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
