@@ -91,9 +91,9 @@ def test_existing_run_names_stay_and_what_changes_the_run_changes_the_name():
     readme = TrainConfig(data="synthetic", num_workers=2, epochs=2)
     explicit = TrainConfig(data="synthetic", num_workers=2, epochs=2, stem="cifar", optimizer="sgd", lr=0.1)
     assert readme.default_name() == explicit.default_name()
-    names = {readme.default_name(), TrainConfig(data="synthetic", num_workers=2, model_arg=("width_per_group=32",)
-                                                ).default_name(),
-             readme.default_name("ab" * 32), TrainConfig(data="synthetic", num_workers=2, optimizer="adamw").default_name()}
+    wider = TrainConfig(data="synthetic", num_workers=2, model_arg=("width_per_group=32",))
+    adamw = TrainConfig(data="synthetic", num_workers=2, optimizer="adamw")
+    names = {readme.default_name(), wider.default_name(), readme.default_name("ab" * 32), adamw.default_name()}
     assert len(names) == 4
 
 
@@ -104,7 +104,8 @@ def test_the_users_own_model_from_a_file_or_a_module(tmp_path):
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "nets.py").write_text(
         "from torch import nn\n"
-        "def sized(num_classes, image_size):\n    return nn.Sequential(nn.Flatten(), nn.Linear(3 * image_size ** 2, num_classes))\n"
+        "def sized(num_classes, image_size):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * image_size ** 2, num_classes))\n"
         "def nothing(num_classes):\n    return 'a model'\n")
     (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
     at = dict(code_dir=str(tmp_path))
