@@ -101,10 +101,15 @@ def export_run(run: Location, which: str) -> Exported:
                 input="uint8 RGB (N, 3, image_size, image_size), any N; normalised inside",
                 output="logits (N, classes), in labels.json's order",
                 normalisation=dict(mean=[m * 255 for m in CIFAR10_MEAN], std=[s * 255 for s in CIFAR10_STD]),
-                run=checkpoint.parent().uri, checkpoint=checkpoint.uri, epoch=trained.epoch,
+                run=named(checkpoint.parent()), checkpoint=named(checkpoint), epoch=trained.epoch,
                 test_acc=trained.metrics.get("test_acc"), data=trained.cfg.data,
                 torch=torch.__version__.split("+")[0])
     return Exported(export_program(trained), trained.classes, meta)
+
+
+def named(where: Location) -> str:
+    """A local folder's absolute path, or its URI."""
+    return where.path if where.is_local else where.uri
 
 
 def writable_folder(out: Location, overwrite: bool) -> None:
