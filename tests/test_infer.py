@@ -132,7 +132,8 @@ def test_predict_and_export_give_the_runs_test_accuracy(trained_run, ray_cluster
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     rows = list(csv.DictReader(open(home / "predictions.csv")))
-    assert len(rows) == 256 and rows[0]["path"] == os.path.join(test.classes[test.labels[0]], "0000.png")
+    assert [r["path"] for r in rows] == sorted(os.path.join(test.classes[label], f"{i:04d}.png")
+                                               for i, label in enumerate(test.labels.tolist()))
     assert all(r["predicted"] == r["class_1"] and 0 < float(r["probability"]) <= 1 for r in rows)
     assert len(rows[0]) == 3 + 2 * 5
     shown = float(re.search(r"^accuracy: ([0-9.]+) \(256 images", proc.stdout, re.M).group(1))
