@@ -14,6 +14,7 @@
 #   sbatch slurm_ray_start.sh [train] [train flags...]      train (the default mode)
 #   sbatch slurm_ray_start.sh tune --space lr=loguniform:0.01:1 [...]   a hyperparameter search
 #   sbatch slurm_ray_start.sh scale sweep --workers 1,2     a scaling sweep
+#   sbatch slurm_ray_start.sh predict MODEL --images DIR --out predictions.csv   classify images
 #   sbatch slurm_ray_start.sh serve                         keep the cluster up for `ray job submit`
 #   sbatch --gpus-per-node=0 --cpus-per-task=4 slurm_ray_start.sh --epochs 30   a CPU-only cluster
 # docs/slurm.md: the flags this adds, preemption and requeue, lost nodes, the RJ_* knobs below.

@@ -14,6 +14,7 @@ below it (tests/test_layers.py reads every import and fails on a cycle or an imp
   train     the driver, the per-worker loop, the checkpointer, step control, the run log
   scale     the scaling sweep
   tune      hyperparameter search with Ray Tune
+  infer     the trained model afterwards: export (torch.export) and predict (Ray Data)
   peers     the raw-DDP baseline (what users would run instead)
   bench     benchmarks
   commands  `python -m ray_job COMMAND`, and the SLURM script's plan
@@ -22,4 +23,4 @@ below it (tests/test_layers.py reads every import and fails on a cycle or an imp
 __version__ = "0.3.0"
 
 LAYERS = ("core", "storage", "cluster", "config", "data", "model", "tracking", "train", "scale", "tune",
-          "peers", "bench", "commands")
+          "infer", "peers", "bench", "commands")

@@ -45,7 +45,7 @@ def test_the_docs_snippet_loads_a_checkpoint_and_normalises_as_training_does(tmp
     model.eval()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     save_checkpoint(str(tmp_path / "ckpt"), model=model, optimizer=optimizer, epoch=1, step=0,
-                    config=cfg.to_dict(), metrics={})
+                    config=cfg.to_dict(), metrics={}, classes=[f"c{i}" for i in range(7)])
     images = torch.randint(0, 256, (8, 32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
 
     code = snippet()

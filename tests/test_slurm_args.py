@@ -168,6 +168,19 @@ def test_scale_mode_uses_the_scale_parser(command):
         plan(["scale", "--workers", "0"])
 
 
+def test_predict_mode_passes_its_flags_as_given_and_uses_the_allocations_gpus(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the driver runs in the submit dir, as this does
+    p = plan(["predict", "model", "--images", "imgs", "--out", "out/p.csv", "--actors", "2"])
+    assert (p.mode, p.args) == ("predict", ("model", "--images", "imgs", "--out", "out/p.csv", "--actors", "2"))
+    assert (p.storage_path, p.use_gpu) == (str(tmp_path / "out"), True)
+    assert plan(["predict", "model", "--images", "imgs"], CPU_JOB).use_gpu is False
+    for argv, message in ((["predict", "model"], "needs --images"),
+                          (["predict", "m", "--images", "i", "--address", "x:1"], "--address is set by this script"),
+                          (["predict", "m", "--images", "i", "--actors", "-1"], "--actors must not be negative")):
+        with pytest.raises(UsageError, match=message):
+            plan(argv)
+
+
 # ---- the command line, as the script reads it -------------------------------------------------
 def test_plan_prints_nul_terminated_records(capsys):
     assert main(["train", "--no-gpu", "--epochs", "2"], env=GPU_JOB) == 0

@@ -17,6 +17,8 @@ commands:
                 prepared dataset (--from cifar10|imagefolder --src DIR --out DIR)
   scale         scaling: `scale sweep` runs the trainer for several --workers counts and reports
                 speedup and efficiency
+  export        a run's checkpoint as a self-contained model (torch.export, labels, model.json)
+  predict       classify a folder of images with Ray Data (an export or a run's checkpoint)
   bench         measurements: bench step | data-path | vs-ddp | race | checkpoints | tracking
 
 `python -m ray_job COMMAND --help` lists a command's flags with their defaults."""
@@ -36,6 +38,14 @@ def run(command: str, rest: list[str]) -> int:
         from ..data.prepared.cli import main as prepare_main
 
         return prepare_main(rest)
+    if command == "export":
+        from ..infer import export_main
+
+        return export_main(rest)
+    if command == "predict":
+        from ..infer import predict_main
+
+        return predict_main(rest)
     if command == "bench":
         from ..bench import main as bench_main
 
@@ -44,7 +54,8 @@ def run(command: str, rest: list[str]) -> int:
         from ..scale import main as scale_main
 
         return scale_main(rest)
-    raise UsageError(f"unknown command {command!r}; use one of train, tune, prepare-data, scale, bench")
+    raise UsageError(f"unknown command {command!r}; use one of train, tune, prepare-data, scale, export, "
+                     f"predict, bench")
 
 
 def main(argv: list[str] | None = None) -> int:

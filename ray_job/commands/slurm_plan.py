@@ -23,7 +23,7 @@ from ..core.flags import flags_given
 from ..core.paths import resolve_path
 
 
-MODES = ("train", "scale", "tune", "serve")
+MODES = ("train", "scale", "tune", "predict", "serve")
 
 
 NO_GPUS_HINT = ("HINT: submit with sbatch --gpus-per-node=N (or --gres=gpu:N), or train on CPUs "
@@ -34,7 +34,7 @@ NO_GPUS_HINT = ("HINT: submit with sbatch --gpus-per-node=N (or --gres=gpu:N), o
 class DriverPlan:
     """How the script runs `python -m ray_job MODE`, and what it reports about the run."""
 
-    mode: str                # train | scale | tune | serve (serve: no driver)
+    mode: str                # train | scale | tune | predict | serve (serve: no driver)
     args: tuple[str, ...]    # flags for the driver; the script sets RAY_ADDRESS
     storage_path: str        # effective --storage-path, absolute (for the log)
     run_name: str            # effective --name
@@ -47,7 +47,7 @@ def split_mode(argv: Sequence[str]) -> tuple[str, list[str]]:
         return "train", list(argv)
     first, rest = argv[0], list(argv[1:])
     if first not in MODES:
-        raise UsageError(f"unknown mode {first!r}. HINT: use train (default), tune, scale or serve")
+        raise UsageError(f"unknown mode {first!r}. HINT: use train (default), tune, scale, predict or serve")
     return first, rest
 
 
@@ -62,6 +62,10 @@ def parser_for(mode: str, argv: Sequence[str]) -> argparse.ArgumentParser:
         from ..tune.options import build_parser
 
         return build_parser(list(argv))
+    if mode == "predict":
+        from ..infer.options import build_predict_parser
+
+        return build_predict_parser()
     from ..config import build_train_parser
 
     return build_train_parser(argv)
@@ -78,6 +82,8 @@ def plan_driver(argv: Sequence[str], alloc: Allocation) -> DriverPlan:
             raise UsageError(f"serve takes no flags (got {' '.join(flags)}). HINT: give them to the "
                              f"jobs: ray job submit ... -- python -m ray_job train FLAGS")
         return DriverPlan("serve", (), resolve_path(alloc.storage_path), "", alloc.gpus_per_node > 0)
+    if mode == "predict":
+        return plan_predict(flags, alloc)
     given = flags_given(parser_for(mode, flags), without_command(mode, flags))
     if "address" in given:
         raise UsageError("--address is set by this script; do not pass it")
@@ -99,6 +105,17 @@ def plan_driver(argv: Sequence[str], alloc: Allocation) -> DriverPlan:
     if not cfg.storage_path or not cfg.name:
         raise UsageError("--storage-path and --name need a value (a requeued job resumes its run by name)")
     return DriverPlan(mode, tuple(args), resolve_path(cfg.storage_path), cfg.name, bool(cfg.use_gpu))
+
+
+def plan_predict(flags: Sequence[str], alloc: Allocation) -> DriverPlan:
+    """`predict` as the user gave it (it uses the cluster's GPUs when there are any); its checks
+    run here, before Ray starts. The log's storage path is the folder of --out."""
+    from ..infer.options import parse_predict_args
+
+    opts = parse_predict_args(list(flags))
+    if opts.address:
+        raise UsageError("--address is set by this script; do not pass it")
+    return DriverPlan("predict", tuple(flags), os.path.dirname(resolve_path(opts.out)), "", alloc.gpus_per_node > 0)
 
 
 def plan_records(alloc: Allocation, plan: DriverPlan) -> list[str]:

@@ -127,6 +127,7 @@ class Run:
     steps_per_epoch: int
     steps: EpochSteps        # the training step, with the model, optimizer, schedule, loss, preprocessing
     data_what: str           # the data path, for the run log
+    classes: tuple           # the class names in the model's output order (kept in checkpoints)
     store: storage.Location  # the run folder
     files: Optional[RunLog]  # the master process's writer of the run folder; None elsewhere
 
@@ -134,7 +135,7 @@ class Run:
         """Keyword arguments of save_checkpoint for this position."""
         return dict(model=unwrap(self.model), optimizer=self.optimizer,
                     config=self.cfg.to_dict(), world_size=self.worker.world, epoch=epoch, step=step,
-                    metrics=metrics.to_dict() if metrics else {})
+                    metrics=metrics.to_dict() if metrics else {}, classes=self.classes)
 
 
 def log_topology(run: Run, backend: str) -> None:
@@ -231,7 +232,7 @@ def build_run(cfg: TrainConfig, data: Datasets, resume: Resume, worker: Worker, 
                       preprocess_for(data.device_augment, device, speed.channels_last), device, speed.bf16,
                       cfg.sync_timing)
     return Run(cfg, worker, model, optimizer, scheduler, train_loader, test_loader, device, speed, steps, step,
-               data.what, store, files)
+               data.what, data.classes, store, files)
 
 
 def preprocess_for(device_augment: str, device: torch.device, channels_last: bool):

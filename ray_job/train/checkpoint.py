@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -32,10 +33,10 @@ class CheckpointError(UsageError):
 
 
 def training_state(*, model: torch.nn.Module, optimizer, epoch: int, step: int, config: dict,
-                   metrics: dict, world_size: int = 1) -> dict:
+                   metrics: dict, world_size: int = 1, classes: Sequence[str] = ()) -> dict:
     """What a checkpoint file holds; `epoch` counts finished epochs, `step` the steps into the next;
-    not the LR schedule, a pure function of (epoch, step). Its tensors are the live ones:
-    `checkpointer.Snapshot` copies them to keep them."""
+    `classes` the class names in the model's output order; not the LR schedule, a pure function of
+    (epoch, step). Its tensors are the live ones: `checkpointer.Snapshot` copies them to keep them."""
     return {
         "format_version": FORMAT_VERSION,
         "model": model.state_dict(),
@@ -45,6 +46,7 @@ def training_state(*, model: torch.nn.Module, optimizer, epoch: int, step: int, 
         "world_size": world_size,
         "config": config,
         "metrics": metrics,
+        "classes": [str(c) for c in classes],
     }
 
 

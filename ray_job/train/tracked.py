@@ -129,28 +129,24 @@ def sync(cfg: TrainConfig, run, exit_code: int) -> str:
 
 
 def log_best_model(cfg: TrainConfig, run) -> Optional[str]:
-    """The best checkpoint's weights as an MLflow PyTorch model: torchvision's ResNet behind the
+    """The best checkpoint's model (trained.trained_model) as an MLflow PyTorch model, behind the
     normalisation the run used, taking float32 NCHW images in [0, 1] (ToTensor's convention)."""
     import torch
     import torchvision
     from torchvision.transforms import Normalize
 
     from ..data.augment import CIFAR10_MEAN, CIFAR10_STD
-    from ..model.zoo import named as build_model
-    from .checkpoint import load_checkpoint
+    from .trained import trained_model
 
     run_dir = storage.at(cfg.run_dir())
     summary = storage.read_json(run_dir.join(SUMMARY_JSON))
     best = summary.get("best_checkpoint")
     if not best:
         return None
-    state = load_checkpoint(best, near=run_dir)
-    classes = int(state["model"]["fc.weight"].shape[0])
-    model = build_model(cfg.model, cfg.stem, classes)  # TODO(merge)
-    model.load_state_dict(state["model"])
-    module = torch.nn.Sequential(Normalize(CIFAR10_MEAN, CIFAR10_STD), model).eval()
+    trained = trained_model(best, near=run_dir)
+    module = torch.nn.Sequential(Normalize(CIFAR10_MEAN, CIFAR10_STD), trained.model).eval()
     pip = [f"torch=={torch.__version__.split('+')[0]}", f"torchvision=={torchvision.__version__.split('+')[0]}"]
-    uri = run.log_model(module, cfg.image_size, classes, pip)
+    uri = run.log_model(module, cfg.image_size, len(trained.classes), pip)
     run.set_tags({"ray_job.model_uri": uri, "ray_job.model_checkpoint": best,
                   "ray_job.model_test_acc": summary.get("best_test_acc")})
     return uri

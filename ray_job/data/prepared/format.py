@@ -33,9 +33,6 @@ DEFAULT_SHARD_MB = 512
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
-EVAL_RESIZE = 0.875  # test images: resize the short side to S / 0.875, then center-crop S
-
-
 def prepare_hint(data_dir: str) -> str:
     return (f"HINT: run `python -m ray_job prepare-data --from imagefolder --src YOUR_IMAGES --out "
             f"{data_dir}` (or --from cifar10) first")

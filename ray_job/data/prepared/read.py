@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import warnings
@@ -20,7 +19,8 @@ from torch.utils.data import Dataset
 from ... import storage
 from ..arrays import identity
 from ..errors import DataError
-from .format import (EVAL_RESIZE, FORMAT, MANIFEST, SPLITS, files_complete, prepare_hint, read_manifest,
+from ..views import decode, test_view
+from .format import (FORMAT, MANIFEST, SPLITS, files_complete, prepare_hint, read_manifest,
                      write_json_atomic)
 
 
@@ -132,29 +132,23 @@ class PreparedImages(Dataset):
         return torch.from_numpy(out), torch.from_numpy(labels)
 
     def _resized(self, images: Any, j: int) -> np.ndarray:
-        """One image decoded (or taken raw) and brought to image_size x image_size, uint8 HWC."""
+        """One image decoded (or taken raw) and brought to image_size x image_size, uint8 HWC: a
+        random resized crop and flip for training, the test view (views.test_view) otherwise."""
         from PIL import Image
 
-        size = self.image_size
         if self.raw:
             im = Image.fromarray(images[j])
         else:
             offsets, data = images
-            im = Image.open(io.BytesIO(data[offsets[j]:offsets[j + 1]].tobytes()))
-            # JPEG: decode at the smallest 1/2^k scale that still leaves a crop of >= size pixels
-            im.draft("RGB", (size * 4, size * 4) if self.train else (size, size))
-            im = im.convert("RGB")
-        return np.asarray(self.transform(im))
+            im = decode(data[offsets[j]:offsets[j + 1]].tobytes(), self.image_size, self.train)
+        return np.asarray(self.train_transform(im)) if self.train else test_view(im, self.image_size)
 
     @property
-    def transform(self):
+    def train_transform(self):
         if getattr(self, "_transform", None) is None:
             from torchvision import transforms as T
 
-            s = self.image_size
-            self._transform = (T.Compose([T.RandomResizedCrop(s), T.RandomHorizontalFlip()])
-                               if self.train else
-                               T.Compose([T.Resize(round(s / EVAL_RESIZE)), T.CenterCrop(s)]))
+            self._transform = T.Compose([T.RandomResizedCrop(self.image_size), T.RandomHorizontalFlip()])
         return self._transform
 
 
