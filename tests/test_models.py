@@ -3,13 +3,16 @@ size, the stem, the optimizer, the user's own function, and --init-weights."""
 
 from __future__ import annotations
 
+import json
 import re
+import secrets
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import one_error_line, run_cli
+from conftest import one_error_line, run_cli, train
 from ray_job.config import TrainConfig, parse_train_args
 from ray_job.core.errors import UsageError
 from ray_job.model import weights, zoo
@@ -95,6 +98,8 @@ def test_existing_run_names_stay_and_what_changes_the_run_changes_the_name():
     adamw = TrainConfig(data="synthetic", num_workers=2, optimizer="adamw")
     names = {readme.default_name(), wider.default_name(), readme.default_name("ab" * 32), adamw.default_name()}
     assert len(names) == 4
+    assert TrainConfig(data="synthetic", model="./nets/mine.py:build").default_name().startswith(
+        "ray_job_synthetic_mine_build_")
 
 
 @pytest.mark.unit
@@ -190,3 +195,63 @@ def test_bad_model_flags_fail_from_the_users_seat_with_one_line_and_nothing_writ
     proc = run_cli("train", "--data", "synthetic", "--storage-path", "results", *extra, cwd=user_dir)
     assert proc.returncode == 2 and message in one_error_line(proc.stderr), proc.stderr[-2000:]
     assert sorted(p.name for p in user_dir.iterdir()) == before  # no results folder
+
+
+# --- from the user's seat, on the session's Ray cluster -------------------------------------------
+FEW_STEPS = ("--data", "synthetic", "--epochs", "1", "--steps-per-epoch", "2", "--batch-size", "16",
+             "--synthetic-train-size", "64", "--synthetic-test-size", "32", "--log-every", "1",
+             "--storage-path", "results")
+
+
+def finished_run(user_dir: Path, proc) -> dict:
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    [run] = [p for p in (user_dir / "results").iterdir() if p.is_dir()]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["finished"] and summary["epochs_completed"] == 1
+    assert any(p.name.startswith("checkpoint_") for p in run.iterdir())
+    return summary
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("model, workers, words", [
+    (SMALL_VIT, "2", "training VisionTransformer on 2 worker(s)"),
+    (("--model", "convnext_tiny"), "1", "training convnext_tiny on 1 worker(s)"),
+])
+def test_a_vit_and_a_convnext_train_from_the_users_seat(ray_cluster, user_dir, model, workers, words):
+    proc = train(user_dir, *FEW_STEPS, *model, "--num-workers", workers, env=ray_cluster.user_env())
+    finished_run(user_dir, proc)
+    out = proc.stdout + proc.stderr
+    assert words in out, out[-3000:]
+    assert ("adamw peak lr" if "VisionTransformer" in model else "sgd peak lr") in out
+
+
+@pytest.mark.ray
+def test_the_users_own_model_trains_on_a_local_cluster(ray_cluster, user_dir):
+    user_model_file(user_dir)
+    proc = train(user_dir, *FEW_STEPS, "--model", "./my_model.py:small_cnn", "--model-arg", "width=8",
+                 "--num-workers", "2", env=ray_cluster.user_env())
+    finished_run(user_dir, proc)
+    assert "training ./my_model.py:small_cnn on 2 worker(s)" in proc.stdout + proc.stderr
+
+
+@pytest.mark.ray
+def test_the_users_own_model_from_weights_through_ray_job_submit(ray_cluster, user_dir, tmp_path):
+    """`ray job submit --working-dir .` ships my_model.py to the workers; --init-weights of another
+    number of classes loads the body and starts the head new, as the driver's log says."""
+    user_model_file(user_dir)
+    sys.path.insert(0, str(user_dir))
+    try:
+        from my_model import small_cnn
+    finally:
+        sys.path.remove(str(user_dir))
+    weights_file = tmp_path / "weights.pt"
+    torch.save(small_cnn(num_classes=5, width=8).state_dict(), weights_file)
+    job_id = f"own-{secrets.token_hex(4)}"
+    proc = ray_cluster.job(
+        "submit", "--submission-id", job_id, "--working-dir", ".", "--", "python", "-m", "ray_job", "train",
+        *FEW_STEPS[:-1], str(tmp_path / "results"), "--model", "./my_model.py:small_cnn", "--model-arg", "width=8",
+        "--init-weights", str(weights_file), "--num-workers", "2", cwd=str(user_dir), timeout=300)
+    logs = proc.stdout
+    assert proc.returncode == 0 and ray_cluster.job_status(job_id) == "SUCCEEDED", logs[-4000:]
+    assert f"--init-weights {weights_file}: 14 tensors loaded, 2 new (8.weight, 8.bias)" in logs, logs[-4000:]
+    finished_run(tmp_path, proc)

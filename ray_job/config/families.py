@@ -21,3 +21,11 @@ def is_resnet_family(model: str) -> bool:
 
 def is_transformer(model: str) -> bool:
     return model.startswith(TRANSFORMERS)
+
+
+def model_label(model: str) -> str:
+    """The model in a run's default name: the user's `./nets/mine.py:build` as mine_build."""
+    if not is_user_model(model):
+        return model
+    target, _, fn = model.rpartition(":")
+    return f"{target.removesuffix('.py').replace('/', '.').rsplit('.', 1)[-1]}_{fn}"

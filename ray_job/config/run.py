@@ -20,7 +20,7 @@ from typing import Any, Optional
 from ..core.errors import UsageError
 from ..core.flags import flag_name, option
 from ..core.paths import join_path, resolve_path, split_userinfo
-from .families import AUTO_LR, is_resnet_family, is_transformer
+from .families import AUTO_LR, is_resnet_family, is_transformer, model_label
 
 RESNETS = ("resnet18", "resnet34", "resnet50")  # the raw-DDP baseline's and the benchmarks' models
 STEMS = ("cifar", "imagenet")
@@ -324,7 +324,7 @@ class TrainConfig:
         leaves out how long it goes on (--epochs: more of them extend the run)."""
         what = {k: v for k, v in self.computed(weights_sha256).items() if k != "epochs"}
         digest = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
-        return f"ray_job_{self.data}_{self.model}_{digest}"
+        return f"ray_job_{self.data}_{model_label(self.model)}_{digest}"
 
     @classmethod
     def from_saved(cls, saved: dict) -> TrainConfig:

@@ -201,8 +201,9 @@ def announce(run: Run, resume: Resume) -> None:
                      cfg.global_batch(before), cfg.global_batch(run.worker.world),
                      cfg.per_worker_batch(run.worker.world), cfg.scaled_lr(before), cfg.scaled_lr(run.worker.world),
                      resume.epoch + 1, run.worker.world)
-    log.info("training %s (%s stem) on %d worker(s): %d steps/epoch, global batch %d (%d per "
-             "worker, --batch-mode %s), %s peak lr %.4g, %s, data: %s", cfg.model, cfg.stem_in_use, run.worker.world,
+    model = cfg.model + (f" ({cfg.stem_in_use} stem)" if cfg.stem_in_use != "none" else "")
+    log.info("training %s on %d worker(s): %d steps/epoch, global batch %d (%d per worker, "
+             "--batch-mode %s), %s peak lr %.4g, %s, data: %s", model, run.worker.world,
              run.steps_per_epoch, cfg.global_batch(run.worker.world), cfg.per_worker_batch(run.worker.world),
              cfg.batch_mode, cfg.optimizer_in_use, cfg.scaled_lr(run.worker.world),
              "bf16" if run.speed.bf16 else "fp32", run.data_what)

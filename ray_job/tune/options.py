@@ -28,6 +28,7 @@ from typing import Any, Union
 
 from ..config import TrainConfig, config_from_args
 from ..config.parser import add_config_args, apply_recipe
+from ..config.families import model_label
 from ..core.errors import UsageError
 from ..core.flags import ArgumentParser, Formatter, add_dataclass_args, flag_name, flags_given, option
 
@@ -262,7 +263,7 @@ def parse_args(argv: list[str]) -> Search:
     search = Search(opts, space, base)
     if not base.name:
         digest = hashlib.sha1(json.dumps(search.record(), sort_keys=True).encode()).hexdigest()[:8]
-        name = f"tune_{base.data}_{base.model}_{digest}"
+        name = f"tune_{base.data}_{model_label(base.model)}_{digest}"
         search = dataclasses.replace(search, base=dataclasses.replace(base, name=name))
     return search
 
