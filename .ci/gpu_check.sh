@@ -14,11 +14,12 @@
 #   checkpoints  steady img/s with a checkpoint per CIFAR-10 epoch: none vs sync vs async, stall (cap 100 s)
 #   train_fast   --recipe fast on the CIFAR-10 JPEG copy, 1 GPU                             (cap 200 s)
 #   predict      the train_fast run's model over the CIFAR-10 JPEG test folder, 1 actor on the GPU (cap 90 s)
+#   other_model  convnext_tiny (not a ResNet) on the CIFAR-10 JPEG copy, 1 GPU, 200 steps     (cap 90 s)
 #   scale        1 vs 2 workers sharing the GPU (0.5 GPU each: gloo), 20 steps a point        (cap 120 s)
 #   bench_compile  CIFAR stem with torch.compile (last: the least needed)                     (cap 120 s)
 # It writes everything under $OUT (default /tmp/gpu_check_out): log.txt, gpu.txt,
 # bench_step.{txt,json}, vs_ddp.{txt,json}, checkpoints.{txt,json}, train_fast.txt + metrics/summary
-# JSON, predict.txt + predictions.csv, scale.txt + scaling.{md,json,png}, bench_compile.{txt,json}.
+# JSON, predict.txt + predictions.csv, other_model.txt + other_model_metrics.jsonl, scale.txt + scaling.{md,json,png}, bench_compile.{txt,json}.
 # Not measured here (nor anywhere yet): more than one GPU -- NCCL between GPUs and between nodes, so
 # the scaling of real GPU workers --, checkpoints to object storage from a GPU, and --recipe fast to
 # its final accuracy (24 epochs: longer than this check's 200 s).
@@ -99,6 +100,16 @@ run_predict() {
     --out "$OUT/predictions.csv" --overwrite --batch-size 256 2>&1 | tee "$OUT/predict.txt" | grep -E "^predict:|^accuracy|error" || true
 }
 
+run_other_model() {
+  local t
+  t=$(budget_for other_model 90 60) || return 0
+  log "train convnext_tiny on the CIFAR-10 JPEG copy, 1 GPU, 200 steps (up to ${t}s)"
+  timeout "$t" python3 -m ray_job train --model convnext_tiny --data imagefolder --data-dir "$DATA/cifar10-jpeg" \
+    --num-workers 1 --epochs 1 --steps-per-epoch 200 --batch-size 256 --storage-path /tmp/results \
+    --name convnext --log-every 50 2>&1 | tee "$OUT/other_model.txt" | grep -E "img/s|epoch [0-9]+/|error" || true
+  cp /tmp/results/convnext/metrics.jsonl "$OUT/other_model_metrics.jsonl" 2>/dev/null || true
+}
+
 run_scale() {
   local t
   t=$(budget_for scale 120 90) || return 0
@@ -124,6 +135,7 @@ run_vs_ddp || log "vs_ddp failed or timed out (see vs_ddp.txt)"
 run_checkpoints || log "checkpoints failed or timed out (see checkpoints.txt)"
 run_fast_recipe || log "fast recipe failed (see train_fast.txt)"
 run_predict || log "predict failed or timed out (see predict.txt)"
+run_other_model || log "other model failed or timed out (see other_model.txt)"
 run_scale || log "scale failed or timed out (see scale.txt)"
 run_bench_compile || log "bench_compile failed or timed out (see bench_compile.txt)"
 log "done in ${SECONDS}s (budget ${BUDGET_S}s)"

@@ -9,7 +9,7 @@ below it (tests/test_layers.py reads every import and fails on a cycle or an imp
             the private Ray APIs
   config    the one typed run configuration and the `train` flags
   data      datasets and input pipelines (CIFAR-10, synthetic, image folders, the prepared format)
-  model     ResNets, optimizer, LR schedule
+  model     any torchvision classifier or the user's own, --init-weights, optimizer, LR schedule
   tracking  experiment tracking (MLflow)
   train     the driver, the per-worker loop, the checkpointer, step control, the run log
   scale     the scaling sweep

@@ -183,18 +183,33 @@ def test_fine_tuning_from_a_runs_weights_learns_faster_than_from_scratch(tmp_pat
 @pytest.mark.unit
 @pytest.mark.parametrize("extra, message", [
     (("--model", "resnet9000"), "is not a torchvision image classifier"),
-    (("--model", "convnext_tiny", "--model-arg", "depth=3"), "--model-arg depth: convnext_tiny has no such option"),
-    (("--model", "convnext_tiny", "--stem", "cifar"), "--stem cifar applies to the ResNet family"),
-    (("--model", "./my_model.py:tiny_cnn"), "my_model.py has no function 'tiny_cnn'"),
     (("--model", "./my_model.py:small_cnn", "--init-weights", "other.pth"), "fits nothing of this model"),
 ])
 def test_bad_model_flags_fail_from_the_users_seat_with_one_line_and_nothing_written(user_dir, extra, message):
+    """The commands as typed (the other refusals: test_a_model_that_cannot_be_built_is_one_line and the
+    driver's checks below)."""
     user_model_file(user_dir)
     torch.save(torch.nn.Linear(3, 3).state_dict(), user_dir / "other.pth")
     before = sorted(p.name for p in user_dir.iterdir())
     proc = run_cli("train", "--data", "synthetic", "--storage-path", "results", *extra, cwd=user_dir)
     assert proc.returncode == 2 and message in one_error_line(proc.stderr), proc.stderr[-2000:]
     assert sorted(p.name for p in user_dir.iterdir()) == before  # no results folder
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("extra, message", [
+    (("--model", "convnext_tiny", "--model-arg", "depth=3"), "--model-arg depth: convnext_tiny has no such option"),
+    (("--model", "./my_model.py:tiny_cnn"), "my_model.py has no function 'tiny_cnn'"),
+    (("--model", "vit_b_16", "--init-weights", "absent.pt"), "--init-weights"),
+])
+def test_the_driver_checks_the_model_before_anything_is_written(user_dir, monkeypatch, extra, message):
+    from ray_job.train.driver import preflight
+
+    user_model_file(user_dir)
+    monkeypatch.chdir(user_dir)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        preflight(parse_train_args(["--data", "synthetic", "--storage-path", "results", *extra]))
+    assert not (user_dir / "results").exists()
 
 
 # --- from the user's seat, on the session's Ray cluster -------------------------------------------
