@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import one_error_line, run_cli, train
-from ray_job.config import TrainConfig, parse_train_args
+from conftest import one_error_line, run_cli
+from ray_job.config import TrainConfig, build_train_parser, parse_train_args
 from ray_job.core.errors import UsageError
+from ray_job.core.flags import flags_given
 from ray_job.model import weights, zoo
 from ray_job.model.optim import build_optimizer
+from ray_job.tune.report import train_command
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_VIT = ("--model", "VisionTransformer", "--model-arg", "patch_size=4", "--model-arg", "num_layers=2",
@@ -50,6 +52,11 @@ def test_model_args_and_the_image_size_reach_the_constructor():
     assert zoo.model_args(TrainConfig(model_arg=("a=4", "b=0.5", "c=(7, 7)", "d=gelu"))) == \
         dict(a=4, b=0.5, c=(7, 7), d="gelu")
     assert TrainConfig.from_saved(cfg.to_dict()) == cfg  # config.json round trip (a list back to a tuple)
+    # the SLURM script's plan and the tune report read which flags were given, a repeated one too
+    assert flags_given(build_train_parser([]), ["--model-arg", "a=1", "--model-arg", "b=2"]) == {"model_arg"}
+    command = train_command(json.loads(cfg.to_json()), "/r", "t")  # a trial's command, from its config.json
+    assert "--model-arg patch_size=4 --model-arg num_layers=2" in command and "--code-dir" not in command
+    assert "--model-arg" not in train_command(json.loads(TrainConfig().to_json()), "/r", "t")
 
 
 @pytest.mark.unit
@@ -225,28 +232,6 @@ def finished_run(user_dir: Path, proc) -> dict:
     assert summary["finished"] and summary["epochs_completed"] == 1
     assert any(p.name.startswith("checkpoint_") for p in run.iterdir())
     return summary
-
-
-@pytest.mark.ray
-@pytest.mark.parametrize("model, workers, words", [
-    (SMALL_VIT, "2", "training VisionTransformer on 2 worker(s)"),
-    (("--model", "convnext_tiny"), "1", "training convnext_tiny on 1 worker(s)"),
-])
-def test_a_vit_and_a_convnext_train_from_the_users_seat(ray_cluster, user_dir, model, workers, words):
-    proc = train(user_dir, *FEW_STEPS, *model, "--num-workers", workers, env=ray_cluster.user_env())
-    finished_run(user_dir, proc)
-    out = proc.stdout + proc.stderr
-    assert words in out, out[-3000:]
-    assert ("adamw peak lr" if "VisionTransformer" in model else "sgd peak lr") in out
-
-
-@pytest.mark.ray
-def test_the_users_own_model_trains_on_a_local_cluster(ray_cluster, user_dir):
-    user_model_file(user_dir)
-    proc = train(user_dir, *FEW_STEPS, "--model", "./my_model.py:small_cnn", "--model-arg", "width=8",
-                 "--num-workers", "2", env=ray_cluster.user_env())
-    finished_run(user_dir, proc)
-    assert "training ./my_model.py:small_cnn on 2 worker(s)" in proc.stdout + proc.stderr
 
 
 @pytest.mark.ray

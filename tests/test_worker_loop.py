@@ -45,8 +45,9 @@ def _rank(rank: int, world: int, run_dir: str, extra: dict):
     report as (optimizer steps done when it was made, metrics, path)."""
     torch.set_num_threads(1)
     torch.manual_seed(rank)
-    cfg = TrainConfig(data="synthetic", model="resnet18", stem="imagenet", synthetic_train_size=2 * 32 * STEPS,
-                      synthetic_test_size=64, batch_size=64, epochs=2, log_every=0, progress="lines", **extra)
+    cfg = TrainConfig(**{**dict(data="synthetic", model="resnet18", stem="imagenet", synthetic_test_size=64,
+                                synthetic_train_size=2 * 32 * STEPS, batch_size=64, epochs=2, log_every=0,
+                                progress="lines"), **extra})
     worker, store = Worker(rank, world), at(run_dir)
     files = RunLog(store) if worker.master_process else None
     calls, runs = [], []
@@ -99,6 +100,29 @@ def test_a_stop_checkpoints_at_the_same_step_on_every_rank_and_the_run_continues
     assert [(e["epoch"], e["step"]) for e in _events(tmp_path, "epoch_start")] == [(1, 0), (1, 7), (2, 0)]
     assert len(calls0) == 2 and calls0[-1][0] == 2 * STEPS  # 3 steps after step 7, then 10: the schedule went on
     assert [r["epoch"] for r in read_jsonl(at(str(tmp_path)).join("metrics.jsonl"))] == [1, 2]
+
+
+@pytest.mark.parametrize("model", [
+    dict(model="VisionTransformer", model_arg=("patch_size=4", "num_layers=2", "num_heads=2", "hidden_dim=32",
+                                               "mlp_dim=64")),
+    dict(model="convnext_tiny"),
+    dict(model="./my_model.py:small_cnn", model_arg=("width=8",)),  # the user's own (docs/models.md)
+])
+def test_a_vit_a_convnext_and_the_users_own_model_go_through_the_same_loop(tmp_path, model):
+    """Any model trains in the worker loop as a ResNet does: DDP over two ranks, its optimizer,
+    evaluation, a checkpoint that names its classes; the run goes on from it."""
+    from test_models import user_model_file
+
+    user_model_file(tmp_path)
+    extra = dict(stem="auto", epochs=1, steps_per_epoch=3, code_dir=str(tmp_path), **model)
+    (out0, calls0), (out1, _) = run_ranks(_rank, str(tmp_path / "run"), extra)
+    assert out0 == out1 == {"preempted": False, "epoch": 1}
+    [row] = read_jsonl(at(str(tmp_path / "run")).join("metrics.jsonl"))
+    assert row["steps"] == 3 and 0 < row["train_loss"] < 10 and 0 <= row["test_acc"] <= 1
+    state = torch.load(calls0[-1][2] + "/checkpoint.pt", map_location="cpu", weights_only=True)
+    assert state["config"]["model"] == model["model"] and len(state["classes"]) == 10
+    optimizer = "adamw" if model["model"] == "VisionTransformer" else "sgd"
+    assert ("betas" in state["optimizer"]["param_groups"][0]) == (optimizer == "adamw")
 
 
 def test_progress_lines_every_n_steps_with_speed_and_eta(caplog):

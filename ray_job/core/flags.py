@@ -86,5 +86,8 @@ def flags_given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str
     dests = vars(parser.parse_args([]))
     # argparse fills in defaults only for attributes the namespace lacks: start with all of them
     # set to a sentinel, and whatever is no longer the sentinel was set by the user.
-    ns = parser.parse_args(list(argv), namespace=argparse.Namespace(**dict.fromkeys(dests, _UNSET)))
-    return {dest for dest, value in vars(ns).items() if value is not _UNSET}
+    # (a repeated flag's dest starts as None, which it appends to: it was set when it is not None)
+    unset = {d: None if isinstance(a, argparse._AppendAction) else _UNSET
+             for a in parser._actions for d in [a.dest] if d in dests}
+    ns = parser.parse_args(list(argv), namespace=argparse.Namespace(**unset))
+    return {dest for dest, value in vars(ns).items() if value is not unset.get(dest, _UNSET)}

@@ -92,9 +92,8 @@ class Classifier:
         return {"path": batch["path"], "top_index": i.cpu().numpy(), "top_prob": p.cpu().numpy()}
 
 
-def classify(opts: PredictOptions, exported: Exported, images: Images) -> tuple[list[dict], float, float]:
-    """Every image's row (unsorted); the seconds from the start of the dataset to the last row, and
-    from the first batch's rows to the last (the actors' start and model load left out)."""
+def classify(opts: PredictOptions, exported: Exported, images: Images) -> tuple[list[dict], float]:
+    """Every image's row (unsorted), and the seconds from the start of the dataset to the last row."""
     import ray
 
     from ..config import TrainConfig
@@ -115,15 +114,13 @@ def classify(opts: PredictOptions, exported: Exported, images: Images) -> tuple[
         fn_constructor_kwargs=dict(program=[ray.put(exported.program)], root=images.root,
                                    size=exported.meta["image_size"], top=top,
                                    threads=max(1, int(opts.cpus_per_actor))))
-    rows, started, first = [], time.monotonic(), None
+    rows, started = [], time.monotonic()
     with progress(len(images.paths)) as bar:
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            first = first or (time.monotonic(), len(batch["path"]))
             for path, idx, prob in zip(batch["path"], batch["top_index"], batch["top_prob"]):
                 rows.append(dict(path=str(path), top=[(exported.labels[int(i)], float(q)) for i, q in zip(idx, prob)]))
             bar.update(len(batch["path"]))
-    end = time.monotonic()
-    return rows, end - started, (len(rows) - first[1]) / max(end - first[0], 1e-9)
+    return rows, time.monotonic() - started
 
 
 def progress(total: int) -> Any:
@@ -159,12 +156,12 @@ def main(opts: PredictOptions) -> int:
             raise UsageError(f"--out {out.uri} exists; give another file, or --overwrite to replace it")
         exported = load_model(storage.at(opts.model), opts.checkpoint)
         images = list_images(storage.at(opts.images), exported.labels)
-        rows, seconds, steady = classify(opts, exported, images)
+        rows, seconds = classify(opts, exported, images)
         out.write_text(csv_text(rows, min(TOP, len(exported.labels))))
     except StorageError as e:
         raise UsageError(str(e)) from None
     print(f"predict: {len(rows)} images in {seconds:.1f} s: {len(rows) / max(seconds, 1e-9):.1f} images/s "
-          f"(the actors' start and model load included); after the first batch: {steady:.1f} images/s")
+          f"(the actors' start and model load included)")
     acc = accuracy(rows, images, exported.labels)
     if acc is not None:
         print(f"accuracy: {acc:.4f} ({len(rows)} images in {len(set(images.truth.values()))} class folders)")

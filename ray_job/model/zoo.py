@@ -67,6 +67,7 @@ def user_function(spec: str, code_dir: str) -> Callable[..., nn.Module]:
     target, _, fn_name = spec.rpartition(":")
     if code_dir and code_dir not in sys.path:
         sys.path.insert(0, code_dir)
+    writes, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ in the user's folder
     try:
         if target.endswith(".py"):
             path = os.path.normpath(os.path.join(code_dir, target) if code_dir else target)
@@ -81,6 +82,8 @@ def user_function(spec: str, code_dir: str) -> Callable[..., nn.Module]:
         raise
     except Exception as e:  # the user's code: any error it raises while importing
         raise UsageError(f"--model {spec}: importing {target} failed: {type(e).__name__}: {e}") from None
+    finally:
+        sys.dont_write_bytecode = writes
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise UsageError(f"--model {spec}: {target} has no function {fn_name!r}")

@@ -20,6 +20,7 @@ from ..core.flags import flag_name
 from ..storage import StorageError
 from ..train.runfiles import CONFIG_JSON, METRICS_JSONL
 from ..train.runlog import csv_text, read_metrics
+from ..config.families import is_user_model
 from .options import Search, values_text
 from .trial import STOPPED_EARLY, TRIAL_PREFIX, read_summary, status_of
 
@@ -77,10 +78,16 @@ def train_command(cfg: dict, storage_path: str, name: str) -> str:
     args = ["python", "-m", "ray_job", "train"]
     unread = UNREAD_BY_DATA.get(cfg.get("data"), ())
     for key, value in cfg.items():
+        if isinstance(value, (list, tuple)):  # a repeated flag (--model-arg): once per item
+            value = tuple(value)
         if key in NOT_REPEATED or key in unread or key not in defaults or value == defaults[key] or value is None:
             continue
+        if key == "code_dir" and not is_user_model(cfg.get("model", "")):  # where no code of the user's is
+            continue
         flag = f"--{flag_name(key)}"
-        if isinstance(value, bool):
+        if isinstance(value, tuple):
+            args += [a for item in value for a in (flag, str(item))]
+        elif isinstance(value, bool):
             args.append(flag if value else f"--no-{flag_name(key)}")
         else:
             args += [flag, str(value)]  # str(float) gives back the same float
