@@ -180,7 +180,8 @@ def check(cfg: TrainConfig, num_classes: int) -> nn.Module:
     except UsageError:
         raise
     except TypeError as e:  # a constructor's own words: a missing option, or one the builder fixes
-        fixed = "multiple values" in str(e) and not isinstance(getattr(torchvision.models, cfg.model), type)
+        fixed = ("multiple values" in str(e) and not is_user_model(cfg.model)
+                 and not isinstance(getattr(torchvision.models, cfg.model, None), type))
         hint = (f"; {cfg.model} fixes it: build the model from its class, --model "
                 f"{type(_on_meta(dataclasses.replace(cfg, model_arg=()), num_classes, 224)).__name__} "
                 f"with --model-arg for each option" if fixed else "; give each with --model-arg KEY=VALUE"
