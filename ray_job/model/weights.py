@@ -72,7 +72,8 @@ class Fit:
 def fit(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Fit:
     own = model.state_dict()
     loaded = [n for n, t in own.items() if n in tensors and tuple(tensors[n].shape) == tuple(t.shape)]
-    return Fit(loaded, [n for n in own if n not in set(loaded)], [n for n in tensors if n not in set(loaded)])
+    taken = set(loaded)
+    return Fit(loaded, [n for n in own if n not in taken], [n for n in tensors if n not in taken])
 
 
 def check(model: nn.Module, path: str) -> tuple[Fit, str]:
@@ -80,17 +81,12 @@ def check(model: nn.Module, path: str) -> tuple[Fit, str]:
     a file that fits nothing is one line."""
     tensors, digest = read(path)
     found = fit(model, tensors)
-    if not [n for n in found.loaded if own_parameter(model, n)]:
+    if not set(found.loaded) & {n for n, _ in model.named_parameters()}:  # buffers alone are no fit
         raise UsageError(f"--init-weights {path} fits nothing of this model: none of its "
                          f"{len(tensors)} tensors ({', '.join(list(tensors)[:3])}, ...) has the name and "
                          f"shape of one of the model's ({', '.join(list(model.state_dict())[:3])}, ...); "
                          f"give the weights of the same architecture")
     return found, digest
-
-
-def own_parameter(model: nn.Module, name: str) -> bool:
-    """A trainable tensor (not a buffer such as BatchNorm's step counter)."""
-    return name in dict(model.named_parameters())
 
 
 def load(model: nn.Module, path: str) -> Fit:
