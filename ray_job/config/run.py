@@ -31,6 +31,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 SCHEDULES = ("onecycle", "cosine", "constant")
 BATCH_MODES = ("global", "per-worker")
 GRAD_COMPRESSIONS = ("none", "bf16")
+STRATEGIES = ("ddp", "fsdp", "hsdp")
 TRISTATE = ("auto", "on", "off")
 PROGRESS = ("auto", "bar", "lines")
 # Fields added after runs were named by default_name(), with their defaults: they count only when set.
@@ -115,6 +116,20 @@ class TrainConfig:
                      "full 32x32 resolution, ~16x the FLOPs of 'imagenet' (ResNet-50: 2.6 vs 0.17 GFLOPs per "
                      "image forward), reaches ~95%% on CIFAR-10; 'imagenet': 7x7 stride-2 conv + max-pool: 8x "
                      "downsampled at once, very fast, tops out near 85%%", "model", choices=("auto", *STEMS))
+    # --- sharding (ray_job/model/sharding.py; docs/sharded.md) ---
+    strategy: str = _opt("ddp", "ddp: every worker holds the whole model, its gradients and optimizer state; "
+                         "fsdp: all three sharded over the workers (PyTorch FSDP2, fully_shard); hsdp: sharded "
+                         "within a node, replicated across nodes. The same run continues under another "
+                         "strategy or worker count", "sharding", choices=STRATEGIES, affects_result=False)
+    activation_checkpointing: bool = _opt(False, "recompute each block's activations in the backward pass "
+                                          "instead of keeping them (less memory, ~1/3 more compute)",
+                                          "sharding", bool_flag=True, affects_result=False)
+    cpu_offload: bool = _opt(False, "fsdp/hsdp on GPUs: keep the sharded parameters, gradients and optimizer "
+                             "state in host memory (FSDP2's CPU offload)", "sharding", bool_flag=True,
+                             affects_result=False)
+    memory_per_worker_gb: float = _opt(0.0, "memory one worker may use, for the memory plan printed at start "
+                                       "(0 = the GPU's memory, or without GPUs the node's memory divided by "
+                                       "its workers)", "sharding", affects_result=False)
     # --- data ---
     data: str = _opt("cifar10", "cifar10 (torchvision's cifar-10-batches-py under --data-dir, downloaded if "
                      "missing), imagefolder (DIR/train/<class>/*, DIR/test/<class>/*; prepared once into "
@@ -243,6 +258,10 @@ class TrainConfig:
             raise UsageError(f"--image-size {self.image_size} needs --data prepared or imagefolder "
                              f"(--data {self.data} is 32x32 in memory); prepare it with `python -m "
                              f"ray_job prepare-data --from cifar10 ...` to resize it")
+        if self.cpu_offload and self.strategy == "ddp":
+            raise UsageError("--cpu-offload offloads sharded states: give --strategy fsdp (or hsdp) with it")
+        if self.memory_per_worker_gb < 0:
+            raise UsageError(f"--memory-per-worker-gb must not be negative, got {self.memory_per_worker_gb}")
         if self.loader_workers < -1:
             raise UsageError("--loader-workers must be -1 (auto) or a count >= 0")
         if split_userinfo(self.mlflow_uri)[1]:
