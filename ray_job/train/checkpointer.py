@@ -13,6 +13,11 @@ snapshot's tensors where they match: allocating and faulting in a model-sized bu
 cost ~10x the copy itself (0.28 s vs 0.03 s for ResNet-50 with its momentum on the CPU), pinning
 more still. At most one upload is in flight, and one snapshot held besides the live state.
 
+A sharded model (fully_shard) is saved by every rank: each writes its own shards (DCP, shards.py)
+from its own host copy, in its own thread, and rank 0 writes checkpoint.pt and the manifest once
+every rank has sent the figures of its files; rank 0's upload is over only then, so the protocol
+(busy, upload_over, report_saved at the same step on every rank) holds as it is.
+
 Resuming: rank 0 takes the newest of this run's complete checkpoints (their `checkpoint_saved` event,
 or Ray's record) that verifies, passing over damaged ones (`checkpoint_skipped`); every rank loads
 that one. Without any, `--resume-from`; without that, a fresh start. Every checkpoint damaged is bad
@@ -34,7 +39,9 @@ import torch
 
 from .. import storage
 from ..storage import Location, StorageError
-from .checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint, training_state, write_checkpoint
+from .checkpoint import (CHECKPOINT_FILE, CheckpointError, load_checkpoint, sharded_state, training_state,
+                         write_checkpoint, write_sharded_checkpoint)
+from .shards import ShardSaver, is_sharded
 from .runfiles import CHECKPOINT_PREFIX, EVENTS_JSONL, Event
 from .runlog import RunLog
 
@@ -157,6 +164,7 @@ class Checkpointer:
         self._upload: Optional[Future] = None   # rank 0: in flight, or done and not yet reported
         self._metrics: dict = {}
         self._last_snapshot = None  # rank 0: the next snapshot is copied into it (its upload was reported)
+        self._shards = ShardSaver()  # a sharded model's: the checkpoint's own group, the host copy
 
     def busy(self) -> bool:
         """An upload is in flight, or over and not yet reported."""
@@ -172,20 +180,38 @@ class Checkpointer:
 
     def save(self, state: Callable[[], dict], metrics: dict, final: bool = False) -> Optional[str]:
         """Every rank calls this at the same point, with nothing unreported. `state()` builds
-        training_state()'s arguments (rank 0 only calls it). Returns the error of a `final`
-        checkpoint that was not saved (after --retry-storage-s)."""
+        training_state()'s arguments. Returns the error of a `final` checkpoint that was not saved
+        (after --retry-storage-s). A sharded model (fully_shard) is saved by every rank."""
+        kwargs = state()
+        if is_sharded(kwargs["model"]):
+            return self._save_sharded(kwargs, metrics, final)
         if not final and self.asynchronous:
             if self.master_process:
                 assert self._upload is None, "a checkpoint started before the previous one was reported"
-                name = self.ray.new_dir_name()
-                snap = Snapshot(training_state(**state()), into=self._last_snapshot)
+                dest = self.store.join(self.ray.new_dir_name())
+                snap = Snapshot(training_state(**kwargs), into=self._last_snapshot)
                 self._last_snapshot, self._metrics = snap.state, metrics
-                self._upload = in_thread(lambda: self._write(name, snap.wait(), 0.0), "checkpoint-upload")
+                self._upload = in_thread(lambda: self._write(dest, snap.wait, 0.0), "checkpoint-upload")
             return None
         path, error = None, None
         if self.master_process:
-            path, error = self._write(self.ray.new_dir_name(), training_state(**state()),
+            path, error = self._write(self.store.join(self.ray.new_dir_name()), lambda: training_state(**kwargs),
                                       self.retry_storage_s if final else 0.0)
+        self.ray.report(metrics, path)
+        return error if final else None
+
+    def _save_sharded(self, kwargs: dict, metrics: dict, final: bool) -> Optional[str]:
+        """Every rank writes its own shards (checkpoint.write_sharded_checkpoint), in the background
+        unless `final`: the step waits only for their host copy. Every rank holds its own upload;
+        rank 0's is over only once every rank's files and the manifest are written."""
+        assert self._upload is None, "a checkpoint started before the previous one was reported"
+        dest = self.store.join(self._shards.broadcast(self.ray.new_dir_name() if self.master_process else None))
+        meta, tensors = sharded_state(**kwargs)
+        if not final and self.asynchronous:
+            staged, self._metrics = self._shards.stage(tensors), metrics
+            self._upload = in_thread(lambda: self._write(dest, lambda: meta, 0.0, staged), "checkpoint-upload")
+            return None
+        path, error = self._write(dest, lambda: meta, self.retry_storage_s if final else 0.0, tensors)
         self.ray.report(metrics, path)
         return error if final else None
 
@@ -193,23 +219,31 @@ class Checkpointer:
         """Every rank, at the same step: reports rank 0's finished upload (without a checkpoint if
         it failed: the metrics still count)."""
         path, metrics = None, {}
-        if self.master_process:
+        if self._upload is not None:  # rank 0's; another rank's of a sharded checkpoint (its part done)
             path, _ = self._upload.result()
             metrics, self._upload = self._metrics, None
+        if not self.master_process:
+            path, metrics = None, {}
         self.ray.report(metrics, path)
 
-    def _write(self, name: str, state: dict, wait_s: float) -> tuple[Optional[str], Optional[str]]:
-        """(the saved folder's path on the storage, None) or (None, why it was not saved)."""
-        dest = self.store.join(name)
+    def _write(self, dest: Location, state: Callable[[], dict], wait_s: float,
+               shards: Optional[dict] = None) -> tuple[Optional[str], Optional[str]]:
+        """(the saved folder's path on the storage, None) or (None, why it was not saved). With
+        `shards` (a sharded model's tensors) every rank calls it; only rank 0 gets the path."""
+        state = state()
         position = where(state["epoch"], state["step"])
         started, cpu = time.perf_counter(), time.thread_time()
         try:
-            nbytes = write_checkpoint(dest, state, wait_s)
+            nbytes = (write_checkpoint(dest, state, wait_s) if shards is None else
+                      write_sharded_checkpoint(dest, state, shards, self._shards, wait_s))
         except StorageError as e:
-            log.warning("checkpoint at %s NOT saved: %s%s", position, e,
-                        "" if wait_s else "; training goes on, the next checkpoint tries again")
-            self.files.event(Event.CHECKPOINT_FAILED, epoch=state["epoch"], step=state["step"], error=str(e))
+            if self.master_process:
+                log.warning("checkpoint at %s NOT saved: %s%s", position, e,
+                            "" if wait_s else "; training goes on, the next checkpoint tries again")
+                self.files.event(Event.CHECKPOINT_FAILED, epoch=state["epoch"], step=state["step"], error=str(e))
             return None, f"the checkpoint at {position} was not saved: {e}"
+        if not self.master_process:
+            return None, None
         self.files.event(Event.CHECKPOINT_SAVED, checkpoint=dest.name, epoch=state["epoch"],
                          step=state["step"], bytes=nbytes, upload_s=time.perf_counter() - started,
                          cpu_s=time.thread_time() - cpu)
@@ -243,8 +277,8 @@ class Checkpointer:
         """The position to start at, from the chosen checkpoint (loaded here when `state` is
         None), else --resume-from, else the start. A mid-epoch position only holds with the same
         sharding; with another world size that epoch is redone."""
-        if name is not None and state is None:
-            state = load_checkpoint(self.store.join(name))
+        if name is not None and state is None:  # rank 0 chose it: it has verified every file
+            state = load_checkpoint(self.store.join(name), verify_shards=False)
         elif name is None and resume_from:
             state = load_checkpoint(resume_from, near=self.store)
         if state is None:

@@ -10,8 +10,9 @@ from typing import Optional
 from torch import nn
 
 from ..config import TrainConfig
-from ..storage import Location, Where
-from .checkpoint import load_checkpoint
+from ..storage import Location, StorageError, Where
+from . import shards
+from .checkpoint import CheckpointError, load_checkpoint
 
 CIFAR10_DATA = "cifar10"
 
@@ -34,10 +35,12 @@ def classes_of(state: dict) -> tuple[str, ...]:
     state dict's last 2-D weight)."""
     if state.get("classes"):
         return tuple(str(c) for c in state["classes"])
-    heads = [t for k, t in state["model"].items() if k.endswith("weight") and t.ndim == 2]
+    shapes = ({k: tuple(t.shape) for k, t in state["model"].items()} if not state.get("shards") else
+              shards.model_shapes(state["folder"].join(state["shards"])))
+    heads = [shape for k, shape in shapes.items() if k.endswith("weight") and len(shape) == 2]
     if not heads:
         raise ValueError("the checkpoint's model has no 2-D weight to count its classes by")
-    n = int(heads[-1].shape[0])
+    n = int(heads[-1][0])
     if state.get("config", {}).get("data") == CIFAR10_DATA:
         from ..data.cifar10 import CIFAR10_CLASSES
 
@@ -47,13 +50,20 @@ def classes_of(state: dict) -> tuple[str, ...]:
 
 
 def model_of(state: dict) -> TrainedModel:
-    """The trained model of a loaded checkpoint `state` (train/checkpoint.load_checkpoint)."""
+    """The trained model of a loaded checkpoint `state` (train/checkpoint.load_checkpoint): a full
+    checkpoint's, or a sharded run's (saved by any number of ranks) put together in this process."""
     from ..model import build_for
 
     cfg = TrainConfig.from_saved(state["config"])
     classes = classes_of(state)
     model = build_for(cfg, len(classes))
-    model.load_state_dict(state["model"])
+    if state.get("shards"):  # a sharded run's: its shards, read here, without any process group
+        try:
+            shards.load(state["folder"].join(state["shards"]), model, alone=True)
+        except StorageError as e:
+            raise CheckpointError(f"cannot read the checkpoint {state['folder'].uri}: {e}") from None
+    else:
+        model.load_state_dict(state["model"])
     return TrainedModel(model.eval(), classes, cfg, dict(state.get("metrics") or {}), int(state["epoch"]))
 
 
