@@ -15,11 +15,13 @@
 #   train_fast   --recipe fast on the CIFAR-10 JPEG copy, 1 GPU                             (cap 200 s)
 #   predict      the train_fast run's model over the CIFAR-10 JPEG test folder, 1 actor on the GPU (cap 90 s)
 #   other_model  convnext_tiny (not a ResNet) on the CIFAR-10 JPEG copy, 1 GPU, 200 steps     (cap 90 s)
+#   bench_memory vit_l_16 at 224 px, batch 64: ddp vs fsdp, each with and without activation
+#                checkpointing: model-state bytes, peak GPU memory, img/s (1 GPU: one worker)     (cap 120 s)
 #   scale        1 vs 2 workers sharing the GPU (0.5 GPU each: gloo), 20 steps a point        (cap 120 s)
 #   bench_compile  CIFAR stem with torch.compile (last: the least needed)                     (cap 120 s)
 # It writes everything under $OUT (default /tmp/gpu_check_out): log.txt, gpu.txt,
 # bench_step.{txt,json}, vs_ddp.{txt,json}, checkpoints.{txt,json}, train_fast.txt + metrics/summary
-# JSON, predict.txt + predictions.csv, other_model.txt + other_model_metrics.jsonl, scale.txt + scaling.{md,json,png}, bench_compile.{txt,json}.
+# JSON, predict.txt + predictions.csv, other_model.txt + other_model_metrics.jsonl, bench_memory.{txt,json,md}, scale.txt + scaling.{md,json,png}, bench_compile.{txt,json}.
 # Not measured here (nor anywhere yet): more than one GPU -- NCCL between GPUs and between nodes, so
 # the scaling of real GPU workers --, checkpoints to object storage from a GPU, and --recipe fast to
 # its final accuracy (24 epochs: longer than this check's 200 s).
@@ -110,6 +112,15 @@ run_other_model() {
   cp /tmp/results/convnext/metrics.jsonl "$OUT/other_model_metrics.jsonl" 2>/dev/null || true
 }
 
+run_bench_memory() {
+  local t
+  t=$(budget_for bench_memory 120 60) || return 0
+  log "bench memory: vit_l_16 at 224 px, ddp vs fsdp, with and without activation checkpointing (up to ${t}s)"
+  timeout "$t" python3 -m ray_job bench memory --model vit_l_16 --image-size 224 --workers 1 --batch-size 64 \
+    --strategies ddp,fsdp --activation-checkpointing --steps 5 --out "$OUT/bench_memory.json" \
+    2>&1 | tee "$OUT/bench_memory.txt" | tail -n 12
+}
+
 run_scale() {
   local t
   t=$(budget_for scale 120 90) || return 0
@@ -136,6 +147,7 @@ run_checkpoints || log "checkpoints failed or timed out (see checkpoints.txt)"
 run_fast_recipe || log "fast recipe failed (see train_fast.txt)"
 run_predict || log "predict failed or timed out (see predict.txt)"
 run_other_model || log "other model failed or timed out (see other_model.txt)"
+run_bench_memory || log "bench_memory failed or timed out (see bench_memory.txt)"
 run_scale || log "scale failed or timed out (see scale.txt)"
 run_bench_compile || log "bench_compile failed or timed out (see bench_compile.txt)"
 log "done in ${SECONDS}s (budget ${BUDGET_S}s)"

@@ -17,7 +17,7 @@ import torch
 
 import fsfaults
 from ray_job.storage import Location, at, read_jsonl
-from ray_job.train.checkpoint import CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError
+from ray_job.train.checkpoint import CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError, load_checkpoint
 from ray_job.train.checkpointer import Checkpointer, LocalReports, Snapshot, saved_checkpoints
 from ray_job.train.runlog import RunLog
 
@@ -196,4 +196,21 @@ def test_every_checkpoint_damaged_is_one_clear_error(tmp_path):
 def test_no_checkpoint_means_a_fresh_start(tmp_path):
     ckpt, _ = make(at(str(tmp_path / "run")))
     assert ckpt.choose(recorded=None) == (None, None)
-    assert ckpt.resume(None, None, "", 1).state is None
+    assert ckpt.resume(None, None, "", lambda world: 64, 1).state is None
+
+
+def test_a_mid_epoch_position_holds_on_another_world_size_with_the_same_global_batch(tmp_path):
+    """Step k of global batch B covers images k*B..(k+1)*B of the epoch's shuffle on any world size
+    (DistributedSampler deals them out round-robin); with another global batch the epoch is redone."""
+    from torch.utils.data import DistributedSampler
+
+    shuffled = {world: [list(DistributedSampler(range(96), world, r, seed=3)) for r in range(world)]
+                for world in (1, 2, 3)}
+    for world, ranks in shuffled.items():  # 3 steps of a global batch of 12 (12 // world each)
+        done = {i for r in ranks for i in r[:3 * (12 // world)]}
+        assert done == set(shuffled[1][0][:36]), world
+    store, names = _two_saved(tmp_path)
+    ckpt, _ = make(store)
+    state = {**load_checkpoint(store.join(names[-1])), "epoch": 1, "step": 3, "world_size": 2}
+    assert (ckpt.resume(names[-1], state, "", lambda world: 12, 3).step) == 3  # global: 12 on 2 and on 3
+    assert (ckpt.resume(names[-1], state, "", lambda world: 6 * world, 3).step) == 0  # per-worker: 12 -> 18

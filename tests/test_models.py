@@ -188,6 +188,24 @@ def test_fine_tuning_from_a_runs_weights_learns_faster_than_from_scratch(tmp_pat
 
 
 @pytest.mark.unit
+def test_a_search_may_choose_the_model_and_the_optimizer():
+    from ray_job.tune.options import parse_args, trial_config
+
+    search = parse_args(["--space", "model=choice:resnet18,convnext_tiny", "--space", "optimizer=choice:sgd,adamw",
+                         "--data", "synthetic"])
+    assert [(d.name, d.args) for d in search.space] == [("model", ("resnet18", "convnext_tiny")),
+                                                        ("optimizer", ("sgd", "adamw"))]
+    trial = trial_config(search.base, {"model": "convnext_tiny", "optimizer": "adamw"})
+    assert (trial.model, trial.optimizer_in_use) == ("convnext_tiny", "adamw")
+    assert "--model convnext_tiny" in train_command(trial.to_dict(), "/runs/s", "trial_000")
+    for space, message in (("model=uniform:1:2", "--model takes words: use choice:A,B,..."),
+                           ("model=choice:resnet18,nonesuch", "with model=nonesuch: --model 'nonesuch' is not"),
+                           ("data=choice:a,b", "cannot search 'data'")):
+        with pytest.raises(UsageError, match=re.escape(message)):
+            parse_args(["--space", space, "--data", "synthetic"])
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("extra, message", [
     (("--model", "resnet9000"), "is not a torchvision image classifier"),
     (("--model", "./my_model.py:small_cnn", "--init-weights", "other.pth"), "fits nothing of this model"),

@@ -5,6 +5,7 @@ end -- rank 0 alone writes, and a stop mid-epoch is where the same run continues
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -59,7 +60,7 @@ def _rank(rank: int, world: int, run_dir: str, extra: dict):
     checkpointer = Checkpointer(store, link, worker.master_process, files, 5.0, asynchronous=True)
     chosen = [checkpointer.choose(None)[0] if worker.master_process else None]
     dist.broadcast_object_list(chosen, src=0)  # what resume_state does, Ray's record aside
-    resume = checkpointer.resume(chosen[0], None, "", world) if chosen[0] else Resume()
+    resume = checkpointer.resume(chosen[0], None, "", cfg.global_batch, world) if chosen[0] else Resume()
     runs.append(build_run(cfg, load_datasets(cfg), resume, worker, store, files, _by_hand(world)))
     return train_run(runs[0], resume, checkpointer), calls
 
@@ -100,6 +101,30 @@ def test_a_stop_checkpoints_at_the_same_step_on_every_rank_and_the_run_continues
     assert [(e["epoch"], e["step"]) for e in _events(tmp_path, "epoch_start")] == [(1, 0), (1, 7), (2, 0)]
     assert len(calls0) == 2 and calls0[-1][0] == 2 * STEPS  # 3 steps after step 7, then 10: the schedule went on
     assert [r["epoch"] for r in read_jsonl(at(str(tmp_path)).join("metrics.jsonl"))] == [1, 2]
+
+
+def test_fsdp_stops_on_two_ranks_continues_on_one_at_the_same_step_and_then_under_ddp(tmp_path):
+    """--strategy fsdp: every rank writes its shards of the stop's checkpoint; one rank continues at
+    its step (the same global batch of 64) to the epoch's end, and a DDP run goes on from its shards."""
+    run_dir = str(tmp_path)
+    stop.request(run_dir)
+    (out0, calls0), (out1, calls1) = run_ranks(_rank, run_dir, {"strategy": "fsdp", "epochs": 1})
+    assert out0 == out1 == {"preempted": True, "epoch": 0, "step": 7}
+    path = calls0[-1][2]
+    assert calls1[-1][2] is None and path  # reported by rank 0, once every rank's shards are written
+    files = json.loads(at(path).join("manifest.json").read_text())["files"]
+    assert sorted(f for f in files if f.endswith(".distcp")) == ["shards/__0_0.distcp", "shards/__1_0.distcp"]
+    [memory] = _events(tmp_path, "first_step_memory")
+    assert 0 < memory["params_bytes"] < 11_181_642 * 4 * 0.55  # rank 0's half of resnet18 (and a little)
+    stop.clear(run_dir)
+    [(out, _)] = run_ranks(_rank, run_dir, {"strategy": "fsdp", "epochs": 1}, world=1)
+    assert out == {"preempted": False, "epoch": 1}
+    resumed = _events(tmp_path, "resumed")
+    assert [(e["epoch"], e["step"], e["world_size"]) for e in resumed] == [(0, 7, 1)]
+    (out0, _), _ = run_ranks(_rank, run_dir, {})  # ddp, from the shards of one rank
+    assert out0 == {"preempted": False, "epoch": 2}
+    assert [(e["epoch"], e["step"]) for e in _events(tmp_path, "epoch_start")] == [(1, 0), (1, 7), (2, 0)]
+    assert [r["epoch"] for r in read_jsonl(at(run_dir).join("metrics.jsonl"))] == [1, 2]
 
 
 @pytest.mark.parametrize("model", [

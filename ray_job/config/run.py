@@ -127,9 +127,9 @@ class TrainConfig:
     cpu_offload: bool = _opt(False, "fsdp/hsdp on GPUs: keep the sharded parameters, gradients and optimizer "
                              "state in host memory (FSDP2's CPU offload)", "sharding", bool_flag=True,
                              affects_result=False)
-    memory_per_worker_gb: float = _opt(0.0, "memory one worker may use, for the memory plan printed at start "
-                                       "(0 = the GPU's memory, or without GPUs the node's memory divided by "
-                                       "its workers)", "sharding", affects_result=False)
+    memory_per_worker_gb: float = _opt(0.0, "memory one worker may use in GiB, for the memory plan checked and "
+                                       "printed at start (0 = the GPU's memory, or without GPUs the node's Ray "
+                                       "memory divided by its workers)", "sharding", affects_result=False)
     # --- data ---
     data: str = _opt("cifar10", "cifar10 (torchvision's cifar-10-batches-py under --data-dir, downloaded if "
                      "missing), imagefolder (DIR/train/<class>/*, DIR/test/<class>/*; prepared once into "

@@ -43,6 +43,7 @@ class Worker:
 
     rank: int
     world: int
+    per_node: int = 1  # workers on this worker's node (hsdp shards within a node)
 
     @property
     def master_process(self) -> bool:
@@ -56,11 +57,13 @@ class Placement:
 
     model: Callable[..., Any]          # (model, **DDP kwargs) -> on the device, in DDP when world > 1
     loader: Callable[[Any, bool], Any]  # (loader, add a DistributedSampler) -> batches on the device
+    to_device: Callable[[Any], Any] = lambda model: model  # (model) -> on the device, unwrapped (to shard)
 
 
 def ray_placement() -> Placement:
     return Placement(lambda model, **ddp: ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp),
-                     lambda loader, shard: ray.train.torch.prepare_data_loader(loader, add_dist_sampler=shard))
+                     lambda loader, shard: ray.train.torch.prepare_data_loader(loader, add_dist_sampler=shard),
+                     lambda model: ray.train.torch.prepare_model(model, parallel_strategy=None))
 
 
 def setup_logging(worker: Worker) -> None:
@@ -196,17 +199,25 @@ def announce(run: Run, resume: Resume) -> None:
                             batch_mode=cfg.batch_mode, global_batch=cfg.global_batch(run.worker.world),
                             lr=cfg.scaled_lr(run.worker.world))
             log.info("world size changed %d -> %d; --batch-mode %s: global batch %d -> %d (%d per "
-                     "worker), peak lr %.4g -> %.4g; epoch %d is redone from its start (the sampler "
-                     "re-shards for %d workers)", before, run.worker.world, cfg.batch_mode,
+                     "worker), peak lr %.4g -> %.4g; %s", before, run.worker.world, cfg.batch_mode,
                      cfg.global_batch(before), cfg.global_batch(run.worker.world),
                      cfg.per_worker_batch(run.worker.world), cfg.scaled_lr(before), cfg.scaled_lr(run.worker.world),
-                     resume.epoch + 1, run.worker.world)
+                     f"epoch {resume.epoch + 1} is redone from its start (another global batch: the "
+                     f"steps done would not cover the same images)" if resume.state.get("step") and not resume.step
+                     else f"training continues at epoch {resume.epoch + 1} step {resume.step}")
     model = cfg.model + (f" ({cfg.stem_in_use} stem)" if cfg.stem_in_use != "none" else "")
     log.info("training %s on %d worker(s): %d steps/epoch, global batch %d (%d per worker, "
-             "--batch-mode %s), %s peak lr %.4g, %s, data: %s", model, run.worker.world,
+             "--batch-mode %s), %s, %s peak lr %.4g, %s, data: %s", model, run.worker.world,
              run.steps_per_epoch, cfg.global_batch(run.worker.world), cfg.per_worker_batch(run.worker.world),
-             cfg.batch_mode, cfg.optimizer_in_use, cfg.scaled_lr(run.worker.world),
+             cfg.batch_mode, strategy_words(cfg), cfg.optimizer_in_use, cfg.scaled_lr(run.worker.world),
              "bf16" if run.speed.bf16 else "fp32", run.data_what)
+
+
+def strategy_words(cfg: TrainConfig) -> str:
+    """--strategy and its options, as the run log says them."""
+    extra = [w for w, on in (("activation checkpointing", cfg.activation_checkpointing),
+                             ("CPU offload", cfg.cpu_offload)) if on]
+    return cfg.strategy + (f" ({', '.join(extra)})" if extra else "")
 
 
 def build_run(cfg: TrainConfig, data: Datasets, resume: Resume, worker: Worker, store: storage.Location,
@@ -221,7 +232,8 @@ def build_run(cfg: TrainConfig, data: Datasets, resume: Resume, worker: Worker, 
         torch.backends.cudnn.benchmark = True
     train_loader, test_loader = make_loaders(cfg, data, worker, speed.cuda, place)
     model, optimizer = model_and_optimizer(cfg, data.num_classes, speed, worker.world, place.model,
-                                           fresh=resume.state is None)
+                                           fresh=resume.state is None, per_node=worker.per_node,
+                                           to_device=place.to_device)
     device = next(model.parameters()).device
     steps = len(train_loader) if not cfg.steps_per_epoch else min(cfg.steps_per_epoch, len(train_loader))
     if resume.state is not None:  # the schedule is placed by position below, not by its state

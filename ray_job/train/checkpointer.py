@@ -273,15 +273,18 @@ class Checkpointer:
         return None, None
 
     def resume(self, name: Optional[str], state: Optional[dict], resume_from: str,
-               world_size: int) -> Resume:
+               global_batch: Callable[[int], int], world_size: int) -> Resume:
         """The position to start at, from the chosen checkpoint (loaded here when `state` is
-        None), else --resume-from, else the start. A mid-epoch position only holds with the same
-        sharding; with another world size that epoch is redone."""
+        None), else --resume-from, else the start. A mid-epoch position holds when the global batch
+        (`global_batch(world size)`) is the checkpoint's: the shuffle of an epoch is the same at any
+        world size, and step k of a global batch B covers its images k*B to (k+1)*B whatever the
+        number of workers that share them; with another global batch that epoch is redone."""
         if name is not None and state is None:  # rank 0 chose it: it has verified every file
             state = load_checkpoint(self.store.join(name), verify_shards=False)
         elif name is None and resume_from:
             state = load_checkpoint(resume_from, near=self.store)
         if state is None:
             return Resume()
-        same_world = state.get("world_size") == world_size
-        return Resume(state["epoch"], state.get("step", 0) if same_world else 0, state)
+        before = state.get("world_size") or world_size
+        same_steps = before == world_size or global_batch(before) == global_batch(world_size)
+        return Resume(state["epoch"], state.get("step", 0) if same_steps else 0, state)

@@ -29,7 +29,7 @@ from ..core.paths import is_uri
 from ..data.datasets import check_data
 from ..storage import StorageError
 from ..storage.lease import Lease
-from . import metrics, stop, tracked
+from . import memplan, metrics, stop, tracked
 from .checkpoint import load_checkpoint
 from .checkpointer import SCORE_METRIC, SCORE_ORDER, in_thread
 from .runfiles import CONFIG_JSON, METRICS_JSONL
@@ -151,9 +151,15 @@ def run_folder(cfg: TrainConfig) -> Iterator[storage.Location]:
     """The run folder, made once and held by this run (its lease, storage/lease.py) while the block
     runs, without the stop request a previous (requeued) run left (cleared once the folder is ours)."""
     run_dir = open_folder(cfg.run_dir(), clear_stop=False)
-    with Lease(run_dir):
-        open_folder(run_dir, make=False)
-        yield run_dir
+    try:
+        with Lease(run_dir):
+            open_folder(run_dir, make=False)
+            yield run_dir
+    except UsageError:  # refused before it wrote anything (workers, memory): no empty folder left
+        with contextlib.suppress(StorageError):
+            if not run_dir.files():
+                run_dir.delete()
+        raise
 
 
 def open_folder(where: storage.Where, clear_stop: bool = True, make: bool = True) -> storage.Location:
@@ -174,6 +180,7 @@ def start_run(cfg: TrainConfig) -> TrainConfig:
     cfg = resolve_workers(cfg)
     for world in {cfg.min_workers or cfg.num_workers, cfg.num_workers}:  # every size it may run at
         check_sizes(cfg, world)
+    memplan.check_memory(cfg, check_data(cfg))
     try:
         storage.write_json(storage.at(cfg.run_dir()).join(CONFIG_JSON), cfg.to_dict())
     except StorageError as e:

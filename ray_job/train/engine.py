@@ -143,6 +143,30 @@ def evaluate(model: nn.Module, batches: Iterable, loss_fn: Callable, preprocess:
     return stats
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Starts a new peak of `peak_memory` (on Linux, clearing the process's VmHWM)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def memory_in_use(device: torch.device, peak: bool = False) -> int:
+    """Bytes this process holds now (or at its peak since `reset_peak_memory`): the GPU's allocated
+    memory, or without a GPU the process's resident memory (VmRSS / VmHWM; 0 where /proc has none)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)
+    key = "VmHWM:" if peak else "VmRSS:"
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    return 0
+
+
 def peak_rss_gib() -> float:
     """This process's peak resident memory (host memory of one worker, or of the caller)."""
     import resource

@@ -19,6 +19,7 @@ class Event:
 
     EPOCH_START = "epoch_start"                # epoch, step (where it starts)
     FIRST_STEP = "first_step"                  # time the first step of this start finished
+    FIRST_STEP_MEMORY = "first_step_memory"    # rank 0's peak, after, activations and model-state bytes
     RESUMED = "resumed"                        # epoch, step of the checkpoint resumed from, world_size
     WORLD_SIZE_CHANGED = "world_size_changed"  # before, after, the batch rule's figures
     CHECKPOINT_SAVED = "checkpoint_saved"      # checkpoint (folder name), epoch, step, bytes, upload_s, cpu_s

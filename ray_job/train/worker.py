@@ -24,11 +24,12 @@ from ..config import TrainConfig
 from ..core.errors import UsageError
 from ..core.jsonio import finite
 from ..data.datasets import load_datasets
+from ..model.parts import unwrap
 from .build import (Run, Worker, announce, build_run, epoch_metrics, gather, log_topology, ray_placement, run_store,
                     setup_logging)
 from .checkpointer import UNSCORED, Checkpointer, RayLink, Resume, where
 from .control import GO_ON, Decision, StepControl, controlled_steps
-from .engine import EpochStats, evaluate, measure_comm_wait
+from .engine import EpochStats, evaluate, measure_comm_wait, memory_in_use, reset_peak_memory
 from .metrics import EpochMetrics
 from .progress import Progress
 from .runfiles import Event
@@ -53,7 +54,7 @@ def ray_link() -> RayLink:
 def train_loop_per_worker(config: dict) -> dict:
     cfg = TrainConfig(**config)
     ctx = ray.train.get_context()
-    worker = Worker(ctx.get_world_rank(), ctx.get_world_size())
+    worker = Worker(ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_world_size())
     setup_logging(worker)
     torch.manual_seed(cfg.seed + worker.rank)
     torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
@@ -92,7 +93,7 @@ def resume_state(cfg: TrainConfig, checkpointer: Checkpointer, worker: Worker) -
         chosen, problem = shared[0]
     if problem:
         raise UsageError(problem)
-    return checkpointer.resume(chosen, state, cfg.resume_from, worker.world)
+    return checkpointer.resume(chosen, state, cfg.resume_from, cfg.global_batch, worker.world)
 
 
 def train_run(run: Run, resume: Resume, checkpointer: Checkpointer) -> dict:
@@ -104,6 +105,28 @@ def train_run(run: Run, resume: Resume, checkpointer: Checkpointer) -> dict:
         return loop.train(resume)
     finally:
         loop.control.close()
+
+
+def first_step_memory(run: Run) -> bool:
+    """Rank 0, after this start's first step: the memory it took, as the memory plan's sequel (the
+    run log and a `first_step_memory` event): its peak, the model states it holds, and the rest --
+    activations and workspace, which the plan could not know. False: measured."""
+    from ..model.sharding import local_state_bytes
+
+    held = local_state_bytes(unwrap(run.model), run.optimizer)
+    peak, after = memory_in_use(run.device, peak=True), memory_in_use(run.device)
+    states = sum(held.values())
+    where = "GPU memory allocated" if run.device.type == "cuda" else "resident memory"
+    log.info("first step on rank 0: peak %.2f GiB of %s; model states %s (parameters %s, gradients %s, "
+             "optimizer state %s); activations and workspace ~%.2f GiB", peak / 2**30, where, mib(states),
+             mib(held["params"]), mib(held["grads"]), mib(held["optimizer"]), max(peak - after, 0) / 2**30)
+    run.files.event(Event.FIRST_STEP_MEMORY, peak_bytes=peak, after_bytes=after, activations_bytes=max(peak - after, 0),
+                    **{f"{k}_bytes": v for k, v in held.items()})
+    return False
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 class Loop:
@@ -147,8 +170,13 @@ class Loop:
             run.files.event(Event.EPOCH_START, epoch=done + 1, step=skip)
             self.progress.start_epoch(done, skip, self.finished.eval_s if self.finished else None)
         position, decision = skip, GO_ON
+        measure = first and run.worker.master_process
+        if measure:
+            reset_peak_memory(run.device)
         for step, decision in controlled_steps(run.steps, run.train_loader, run.steps_per_epoch, skip, self.control,
                                                self.progress):
+            if measure:
+                measure = first_step_memory(run)
             position = step.number
             if decision.stop:
                 break

@@ -29,13 +29,14 @@ from typing import Any, Union
 from ..config import TrainConfig, config_from_args
 from ..config.parser import add_config_args, apply_recipe
 from ..config.families import model_label
+from ..model import zoo
 from ..core.errors import UsageError
 from ..core.flags import ArgumentParser, Formatter, add_dataclass_args, flag_name, flags_given, option
 
 KINDS = ("choice", "uniform", "loguniform", "randint")
 # Numbers that are not hyperparameters of a trial: the search's budget and the cluster's shape.
 NOT_SEARCHABLE = ("epochs", "num_workers", "min_workers", "cpus_per_worker", "gpus_per_worker")
-Number = Union[int, float]
+Number = Union[int, float, str]
 # What a trial reports at each epoch's end that a search may rank trials by, with its direction.
 METRICS = {"test_acc": "max", "test_loss": "min", "train_acc": "max", "train_loss": "min",
            "images_per_s": "max"}
@@ -43,11 +44,15 @@ METRICS = {"test_acc": "max", "test_loss": "min", "train_acc": "max", "train_los
 TUNE_DEFAULTS = dict(epochs=10, log_every=0, progress="lines")
 
 
+# Words a search may choose among (choice only): what is trained and how, not where or on what data.
+WORDS = ("model", "optimizer", "schedule", "stem", "precision", "batch_mode")
+
+
 def searchable_fields() -> dict[str, type]:
-    """Field name -> int or float, for every train flag a space may name."""
+    """Field name -> int, float or str, for every train flag a space may name."""
     return {f.name: type(f.default) for f in dataclasses.fields(TrainConfig)
-            if type(f.default) in (int, float) and f.metadata.get("affects_result", True)
-            and f.name not in NOT_SEARCHABLE}
+            if (type(f.default) in (int, float) and f.metadata.get("affects_result", True)
+                or f.name in WORDS) and f.name not in NOT_SEARCHABLE}
 
 
 @dataclass(frozen=True)
@@ -76,10 +81,12 @@ class Dist:
 
 
 def _num(value: Number) -> str:
-    return str(value) if isinstance(value, int) else format(value, "g")
+    return format(value, "g") if isinstance(value, float) else str(value)
 
 
 def _parse_number(text: str, kind: type, where: str) -> Number:
+    if kind is str:
+        return text
     try:
         value = float(text)
     except ValueError:
@@ -105,12 +112,15 @@ def parse_dist(spec: str) -> Dist:
                          f"batch_size=choice:64,128 (DIST: {', '.join(KINDS)})")
     if name not in fields:
         hint = ("it is fixed for the whole search" if name in NOT_SEARCHABLE else
-                "not a numeric train flag that changes what a run computes")
+                "not a numeric train flag that changes what a run computes, nor one of the words "
+                "a search may choose among")
         raise UsageError(f"--space {spec!r}: cannot search {name!r} ({hint}); searchable: "
                          f"{', '.join(sorted(fields))}")
     if kind not in KINDS:
         raise UsageError(f"--space {spec!r}: unknown distribution {kind!r}; use one of {', '.join(KINDS)}")
     value_type = int if kind == "randint" else fields[name]
+    if fields[name] is str and kind != "choice":
+        raise UsageError(f"--space {spec!r}: --{flag_name(name)} takes words: use choice:A,B,...")
     if kind in ("uniform", "loguniform") and value_type is int:
         raise UsageError(f"--space {spec!r}: --{flag_name(name)} takes whole numbers; use randint:LO:HI "
                          f"or choice:A,B,...")
@@ -153,6 +163,8 @@ def check_against(dists: tuple[Dist, ...], base: TrainConfig, world_sizes: set[i
         for value in d.args:
             try:
                 cfg = dataclasses.replace(base, **{d.name: value})
+                if d.name == "model":  # a name or a module that builds no model: one line now
+                    zoo.check(cfg, 10)
                 for world in world_sizes:
                     check(cfg, world)
             except UsageError as e:
