@@ -64,3 +64,25 @@ def test_memory_plan_refuses_ddp_then_fsdp_stops_on_ctrl_c_and_continues_on_one_
     exported = run_cli("export", "results/big", "--out", "model", cwd=user_dir)  # no cluster
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (user_dir / "model" / "model.pt2").stat().st_size > 11_181_642 * 4
+
+
+@pytest.mark.slurm
+def test_hsdp_on_two_slurm_nodes_with_two_workers_each(slurm_cluster, tmp_path):
+    """`sbatch slurm_ray_start.sh --strategy hsdp` on the two-node SLURM test cluster, two CPU workers
+    per node: sharded within a node (each rank holds half the model), replicated across the nodes;
+    every rank's shards in the checkpoint's manifest; the job completes."""
+    from slurm_jobs import TINY, Job
+
+    job = Job(slurm_cluster, tmp_path, ["train", *TINY, "--num-workers", "4", "--cpus-per-worker", "1",
+                                        "--strategy", "hsdp", "--epochs", "1"])
+    info = job.wait_done(timeout=600)
+    assert info["JobState"] == "COMPLETED", job.tail()
+    assert "memory plan (hsdp, 4 workers)" in job.output, job.tail()
+    topology = strict_file(job.run_dir / "topology.json")
+    assert (topology["world_size"], topology["num_nodes"]) == (4, 2)
+    [memory] = events(job.run_dir, "first_step_memory")
+    assert 11_181_642 * 4 * 0.45 < memory["params_bytes"] < 11_181_642 * 4 * 0.55  # half: shards of a node's 2
+    latest = strict_file(job.run_dir / "summary.json")["latest_checkpoint"]
+    files = json.loads((Path(latest) / "manifest.json").read_text())["files"]
+    assert len([f for f in files if f.endswith(".distcp")]) == 4, files
+    job.assert_cleaned_up()
