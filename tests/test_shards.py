@@ -26,11 +26,10 @@ import fsfaults
 from ranks import run_ranks
 from ray_job.config import TrainConfig
 from ray_job.storage import Location, at, read_jsonl
-from ray_job.train.checkpoint import (CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError, load_checkpoint,
-                                      restore_training_state, save_checkpoint)
+from ray_job.train.checkpoint import (CHECKPOINT_FILE, MANIFEST_FILE, SHARDS_DIR, CheckpointError,
+                                      load_checkpoint, restore_training_state, save_checkpoint)
 from ray_job.train.checkpointer import Checkpointer, LocalReports
 from ray_job.train.runlog import RunLog
-from ray_job.train.shards import SHARDS_DIR
 
 CFG = dict(model="test_shards:tiny", code_dir=os.path.dirname(os.path.abspath(__file__)), data="synthetic")
 CLASSES = [f"c{i}" for i in range(10)]

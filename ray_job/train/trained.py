@@ -11,7 +11,6 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..storage import Location, StorageError, Where
-from . import shards
 from .checkpoint import CheckpointError, load_checkpoint
 
 CIFAR10_DATA = "cifar10"
@@ -33,6 +32,8 @@ def classes_of(state: dict) -> tuple[str, ...]:
     """The class names in output order: the checkpoint's `classes`; for a checkpoint written before
     it had them, CIFAR-10's names (--data cifar10) or class_<i>, as many as the head's outputs (the
     state dict's last 2-D weight)."""
+    from . import shards
+
     if state.get("classes"):
         return tuple(str(c) for c in state["classes"])
     shapes = ({k: tuple(t.shape) for k, t in state["model"].items()} if not state.get("shards") else
@@ -53,6 +54,7 @@ def model_of(state: dict) -> TrainedModel:
     """The trained model of a loaded checkpoint `state` (train/checkpoint.load_checkpoint): a full
     checkpoint's, or a sharded run's (saved by any number of ranks) put together in this process."""
     from ..model import build_for
+    from . import shards
 
     cfg = TrainConfig.from_saved(state["config"])
     classes = classes_of(state)
