@@ -223,11 +223,11 @@ class Checkpointer:
         """Every rank, at the same step: reports rank 0's finished upload (without a checkpoint if
         it failed: the metrics still count)."""
         path, metrics = None, {}
-        if self._upload is not None:  # rank 0's; another rank's of a sharded checkpoint (its part done)
-            path, _ = self._upload.result()
-            metrics, self._upload = self._metrics, None
-        if not self.master_process:
-            path, metrics = None, {}
+        if self._upload is not None:  # rank 0's; on another rank, its part of a sharded checkpoint
+            saved, _ = self._upload.result()
+            if self.master_process:
+                path, metrics = saved, self._metrics
+            self._upload = None
         self.ray.report(metrics, path)
 
     def _write(self, dest: Location, state: Callable[[], dict], wait_s: float,

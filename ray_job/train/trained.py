@@ -32,12 +32,14 @@ def classes_of(state: dict) -> tuple[str, ...]:
     """The class names in output order: the checkpoint's `classes`; for a checkpoint written before
     it had them, CIFAR-10's names (--data cifar10) or class_<i>, as many as the head's outputs (the
     state dict's last 2-D weight)."""
-    from . import shards
-
     if state.get("classes"):
         return tuple(str(c) for c in state["classes"])
-    shapes = ({k: tuple(t.shape) for k, t in state["model"].items()} if not state.get("shards") else
-              shards.model_shapes(state["folder"].join(state["shards"])))
+    if state.get("shards"):  # the full shapes are in DCP's .metadata
+        from .shards import model_shapes
+
+        shapes = model_shapes(state["folder"].join(state["shards"]))
+    else:
+        shapes = {k: tuple(t.shape) for k, t in state["model"].items()}
     heads = [shape for k, shape in shapes.items() if k.endswith("weight") and len(shape) == 2]
     if not heads:
         raise ValueError("the checkpoint's model has no 2-D weight to count its classes by")
@@ -54,12 +56,13 @@ def model_of(state: dict) -> TrainedModel:
     """The trained model of a loaded checkpoint `state` (train/checkpoint.load_checkpoint): a full
     checkpoint's, or a sharded run's (saved by any number of ranks) put together in this process."""
     from ..model import build_for
-    from . import shards
 
     cfg = TrainConfig.from_saved(state["config"])
     classes = classes_of(state)
     model = build_for(cfg, len(classes))
     if state.get("shards"):  # a sharded run's: its shards, read here, without any process group
+        from . import shards
+
         try:
             shards.load(state["folder"].join(state["shards"]), model, alone=True)
         except StorageError as e:
