@@ -26,11 +26,10 @@ import fsfaults
 from ranks import run_ranks
 from ray_job.config import TrainConfig
 from ray_job.storage import Location, at, read_jsonl
-from ray_job.train.checkpoint import (CHECKPOINT_FILE, MANIFEST_FILE, CheckpointError, load_checkpoint,
-                                      restore_training_state, save_checkpoint)
+from ray_job.train.checkpoint import (CHECKPOINT_FILE, MANIFEST_FILE, SHARDS_DIR, CheckpointError,
+                                      load_checkpoint, restore_training_state, save_checkpoint)
 from ray_job.train.checkpointer import Checkpointer, LocalReports
 from ray_job.train.runlog import RunLog
-from ray_job.train.shards import SHARDS_DIR
 
 CFG = dict(model="test_shards:tiny", code_dir=os.path.dirname(os.path.abspath(__file__)), data="synthetic")
 CLASSES = [f"c{i}" for i in range(10)]
@@ -294,3 +293,36 @@ def test_a_sharded_checkpoint_without_its_manifest_is_incomplete(saved, tmp_path
     store, (_, newest) = damaged_copy(saved, tmp_path, MANIFEST_FILE, os.remove)
     with pytest.raises(CheckpointError, match="its save never finished"):
         load_checkpoint(store.join(newest))
+
+
+def save_and_load_on_s3(rank: int, world: int, dest: Location) -> tuple:
+    """A group of one: a sharded model checkpointed into the bucket, then loaded back from it."""
+    model, optimizer = model_and_optimizer(world, "adamw")
+    train_step(model, optimizer)
+    reports = LocalReports()
+    ckpt = Checkpointer(dest, reports.link(), True, RunLog(dest), 0.0)
+    assert ckpt.save(state_fn(model, optimizer, world, epoch=1), {"epoch": 1}, final=True) is None
+    name, state = ckpt.choose(recorded=None)  # every file of its manifest verified, from the bucket
+    fresh, fresh_optimizer = model_and_optimizer(world, "adamw")
+    restore_training_state(state, model=fresh, optimizer=fresh_optimizer)
+    return name, differences(full_state(fresh, fresh_optimizer), full_state(model, optimizer))
+
+
+def test_a_sharded_checkpoint_on_s3_is_written_verified_and_loaded(s3):
+    dest = Location(s3.client(), f"{s3.bucket}/shards/run", s3.uri("shards/run"))
+    dest.makedirs()
+    name, different = None, None
+
+    def keep(rank, world, where):
+        nonlocal name, different
+        name, different = save_and_load_on_s3(rank, world, where)
+
+    in_a_group_of_one(keep, dest)
+    assert different == []
+    keys = s3.keys(f"shards/run/{name}")
+    manifest = json.loads(s3.read(f"shards/run/{name}/{MANIFEST_FILE}"))
+    assert sorted(manifest["files"]) == sorted(k for k in keys if k != MANIFEST_FILE) == [
+        CHECKPOINT_FILE, f"{SHARDS_DIR}/.metadata", f"{SHARDS_DIR}/__0_0.distcp"]
+    from ray_job.train.trained import trained_model
+
+    assert trained_model(dest.join(name)).epoch == 1  # export's load, with no process group

@@ -22,7 +22,7 @@ import io
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import pyarrow.fs as pafs
 import torch
@@ -31,13 +31,15 @@ from .. import storage
 from ..core.errors import UsageError
 from ..core.jsonio import dumps, loads
 from ..storage import Location, StorageError, Where, faults
-from . import shards
-from .shards import SHARDS_DIR, ShardSaver, state_of
+
+if TYPE_CHECKING:  # shards.py imports DCP (seconds): only where a sharded state is saved or loaded
+    from .shards import ShardSaver
 
 CHECKPOINT_FILE = "checkpoint.pt"
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1  # checkpoint.pt holds every tensor
 SHARDED_FORMAT = 2  # checkpoint.pt holds the rest; the tensors are DCP's shards in SHARDS_DIR
+SHARDS_DIR = "shards"  # the folder of a sharded checkpoint that holds DCP's files
 READ_CHUNK = 8 * 2**20  # bytes hashed at a time when a file is verified
 log = logging.getLogger("ray_job")
 
@@ -59,6 +61,8 @@ def training_state(*, model: torch.nn.Module, optimizer, epoch: int, step: int, 
 def sharded_state(*, model: torch.nn.Module, optimizer, **rest) -> tuple[dict, dict]:
     """A sharded model's checkpoint: what checkpoint.pt holds (`training_state` but the tensors,
     format 2), and this rank's shards of the model and the optimizer (live: stage them to keep them)."""
+    from .shards import state_of
+
     return ({"format_version": SHARDED_FORMAT, "shards": SHARDS_DIR, **position(**rest)},
             state_of(model, optimizer))
 
@@ -180,8 +184,8 @@ def _finish_sharded(dest: Location, state: dict, everyone: list) -> tuple[Option
             files = {name: figures for rank_files, _ in everyone for name, figures in rank_files.items()}
             files[CHECKPOINT_FILE] = write_file(dest, CHECKPOINT_FILE, state)
             return sum(f["bytes"] for f in files.values()) + write_manifest(dest, files), None, False
-        except StorageError as e:
-            error = str(e)
+        except Exception as e:  # whatever it is, the other ranks wait for this answer
+            error = str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
     with contextlib.suppress(StorageError):
         dest.delete()
     return None, f"checkpoint {dest.uri}: {error}", False
@@ -312,6 +316,7 @@ def restore_training_state(state: dict, *, model, optimizer) -> None:
     sharded checkpoint into a sharded or a plain model at any world size (its shards are read from
     the state's `folder`), a full one into a plain or a sharded model."""
     from ..model.parts import unwrap
+    from . import shards
 
     plain = unwrap(model)
     try:

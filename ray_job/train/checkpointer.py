@@ -41,7 +41,6 @@ from .. import storage
 from ..storage import Location, StorageError
 from .checkpoint import (CHECKPOINT_FILE, CheckpointError, load_checkpoint, sharded_state, training_state,
                          write_checkpoint, write_sharded_checkpoint)
-from .shards import ShardSaver, is_sharded
 from .runfiles import CHECKPOINT_PREFIX, EVENTS_JSONL, Event
 from .runlog import RunLog
 
@@ -164,7 +163,7 @@ class Checkpointer:
         self._upload: Optional[Future] = None   # rank 0: in flight, or done and not yet reported
         self._metrics: dict = {}
         self._last_snapshot = None  # rank 0: the next snapshot is copied into it (its upload was reported)
-        self._shards = ShardSaver()  # a sharded model's: the checkpoint's own group, the host copy
+        self._shards: Any = None  # a sharded model's ShardSaver: the checkpoint's own group, the host copy
 
     def busy(self) -> bool:
         """An upload is in flight, or over and not yet reported."""
@@ -182,6 +181,8 @@ class Checkpointer:
         """Every rank calls this at the same point, with nothing unreported. `state()` builds
         training_state()'s arguments. Returns the error of a `final` checkpoint that was not saved
         (after --retry-storage-s). A sharded model (fully_shard) is saved by every rank."""
+        from .shards import is_sharded  # DCP: imported by the workers only
+
         kwargs = state()
         if is_sharded(kwargs["model"]):
             return self._save_sharded(kwargs, metrics, final)
@@ -204,7 +205,10 @@ class Checkpointer:
         """Every rank writes its own shards (checkpoint.write_sharded_checkpoint), in the background
         unless `final`: the step waits only for their host copy. Every rank holds its own upload;
         rank 0's is over only once every rank's files and the manifest are written."""
+        from .shards import ShardSaver
+
         assert self._upload is None, "a checkpoint started before the previous one was reported"
+        self._shards = self._shards or ShardSaver()
         dest = self.store.join(self._shards.broadcast(self.ray.new_dir_name() if self.master_process else None))
         meta, tensors = sharded_state(**kwargs)
         if not final and self.asynchronous:
@@ -219,11 +223,11 @@ class Checkpointer:
         """Every rank, at the same step: reports rank 0's finished upload (without a checkpoint if
         it failed: the metrics still count)."""
         path, metrics = None, {}
-        if self._upload is not None:  # rank 0's; another rank's of a sharded checkpoint (its part done)
-            path, _ = self._upload.result()
-            metrics, self._upload = self._metrics, None
-        if not self.master_process:
-            path, metrics = None, {}
+        if self._upload is not None:  # rank 0's; on another rank, its part of a sharded checkpoint
+            saved, _ = self._upload.result()
+            if self.master_process:
+                path, metrics = saved, self._metrics
+            self._upload = None
         self.ray.report(metrics, path)
 
     def _write(self, dest: Location, state: Callable[[], dict], wait_s: float,

@@ -2,11 +2,11 @@
 Checkpoint (DCP): every rank saves its own shards, and any world size loads them.
 
 Saving: `get_state_dict(model, optimizer)` gives each rank's shards (the full model is never
-gathered); `ShardSaver.save` writes them with DCP into a checkpoint's `shards/` folder, one file per
-rank, on a gloo group of the checkpoint's own (created once, every rank at the same save) so that its
-collectives, run from a background thread, never interleave with training's. `ShardSaver.stage`
-copies them to host memory with DCP's stager, reusing the previous copy's memory: all that an
-asynchronous checkpoint makes the step wait for.
+gathered); `ShardSaver.save` writes them with DCP into a checkpoint's `shards/` folder
+(checkpoint.SHARDS_DIR), one file per rank, on a gloo group of the checkpoint's own (created once,
+every rank at the same save) so that its collectives, run from a background thread, never
+interleave with training's. `ShardSaver.stage` copies them to host memory with DCP's stager,
+reusing the previous copy's memory: all that an asynchronous checkpoint makes the step wait for.
 
 Loading (`load`): DCP reads what each rank's own sharding needs, for any world size, into a sharded
 model, a plain one in a process group (DDP), or a plain one in a process without any (export).
@@ -27,9 +27,6 @@ from torch.distributed.tensor import DTensor
 
 from ..storage import Location, StorageError, reason
 from .shardfs import LocationReader, LocationWriter
-
-SHARDS_DIR = "shards"  # the folder of a checkpoint that holds DCP's files
-
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """The model's parameters are DTensors (fully_shard): its state is saved as shards."""

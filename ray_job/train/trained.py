@@ -11,7 +11,6 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..storage import Location, StorageError, Where
-from . import shards
 from .checkpoint import CheckpointError, load_checkpoint
 
 CIFAR10_DATA = "cifar10"
@@ -35,8 +34,12 @@ def classes_of(state: dict) -> tuple[str, ...]:
     state dict's last 2-D weight)."""
     if state.get("classes"):
         return tuple(str(c) for c in state["classes"])
-    shapes = ({k: tuple(t.shape) for k, t in state["model"].items()} if not state.get("shards") else
-              shards.model_shapes(state["folder"].join(state["shards"])))
+    if state.get("shards"):  # the full shapes are in DCP's .metadata
+        from .shards import model_shapes
+
+        shapes = model_shapes(state["folder"].join(state["shards"]))
+    else:
+        shapes = {k: tuple(t.shape) for k, t in state["model"].items()}
     heads = [shape for k, shape in shapes.items() if k.endswith("weight") and len(shape) == 2]
     if not heads:
         raise ValueError("the checkpoint's model has no 2-D weight to count its classes by")
@@ -58,6 +61,8 @@ def model_of(state: dict) -> TrainedModel:
     classes = classes_of(state)
     model = build_for(cfg, len(classes))
     if state.get("shards"):  # a sharded run's: its shards, read here, without any process group
+        from . import shards
+
         try:
             shards.load(state["folder"].join(state["shards"]), model, alone=True)
         except StorageError as e:
