@@ -11,7 +11,6 @@ import types
 
 import pytest
 import torch
-import torchvision
 from torch import nn
 
 from ranks import run_ranks
