@@ -76,8 +76,10 @@ class MemoryBenchConfig:
 
 
 def train_config(cfg: MemoryBenchConfig) -> TrainConfig:
+    """The model's and optimizer's choices as `train` makes them (the data is synthetic here; a
+    prepared dataset is the one --data whose images can have any size)."""
     return TrainConfig(model=cfg.model, image_size=cfg.image_size, batch_size=cfg.batch_size,
-                       optimizer=cfg.optimizer)
+                       optimizer=cfg.optimizer, data="synthetic" if cfg.image_size == 32 else "prepared")
 
 
 def _reset_peak_rss() -> int:
