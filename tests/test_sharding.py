@@ -11,7 +11,6 @@ import types
 
 import pytest
 import torch
-import torchvision
 from torch import nn
 
 from ranks import run_ranks
@@ -121,18 +120,20 @@ def test_the_ddp_plan_is_the_unsharded_models_bytes():
 
 # --- two gloo processes ---------------------------------------------------------------------------
 
-def _trained_bytes(rank: int, world: int, build, optimizer: str, x: torch.Tensor) -> dict:
+def _trained_bytes(rank: int, world: int, build, optimizer: str, x: torch.Tensor, strategy: str = "fsdp",
+                   per_node: int = 0) -> dict:
     """One FSDP2 step of `build()` with `optimizer`; this rank's bytes and the plan (from a meta copy)."""
     torch.manual_seed(0)
-    model = build()
+    model, per_node = build(), per_node or world
     with torch.device("meta"):
-        planned = memory.plan(build(), optimizer, "fsdp", world, world)
-    sharding.shard(model, sharding.device_mesh("fsdp", world, world, "cpu"), bf16=False, cpu_offload=False)
+        planned = memory.plan(build(), optimizer, strategy, world, per_node)
+    mesh = sharding.device_mesh(strategy, world, per_node, "cpu")
+    sharding.shard(model, mesh, bf16=False, cpu_offload=False)
     opt = build_optimizer(model, TrainConfig(optimizer=optimizer), world, torch.device("cpu"))
     model(x.chunk(world)[rank]).sum().backward()
     opt.step()
     return dict(local=sharding.local_state_bytes(model, opt), plan=planned.to_dict(),
-                sharded=sharding.is_sharded(model))
+                sharded=sharding.is_sharded(model), mesh=list(mesh.mesh_dim_names))
 
 
 def _same_step_as_one_process(rank: int, world: int) -> float:
@@ -156,6 +157,8 @@ def _fsdp_rank(rank: int, world: int) -> dict:
                 resnet_adamw=_trained_bytes(rank, world, resnet18_cifar, "adamw", images),
                 odd_sgd=_trained_bytes(rank, world, odd_mlp, "sgd", rows),
                 odd_adamw=_trained_bytes(rank, world, odd_mlp, "adamw", rows),
+                # two "nodes" of one worker: replicated across them, a shard group of one
+                hsdp=_trained_bytes(rank, world, odd_mlp, "adamw", rows, "hsdp", 1),
                 step_diff=_same_step_as_one_process(rank, world))
 
 
@@ -179,3 +182,54 @@ def test_the_fsdp_plan_is_the_largest_ranks_bytes_exactly(fsdp_ranks, case):
 
 def test_a_sharded_checkpointed_step_equals_one_process_on_the_whole_batch(fsdp_ranks):
     assert max(r["step_diff"] for r in fsdp_ranks) < 1e-6
+
+
+def test_hsdp_replicates_across_nodes_and_shards_within_one(fsdp_ranks):
+    ranks = [r["hsdp"] for r in fsdp_ranks]
+    assert ranks[0]["mesh"] == ["replicate", "shard"] and all(r["sharded"] for r in ranks)
+    plan = ranks[0]["plan"]
+    for r in ranks:  # a shard group of one worker holds everything, like ddp
+        assert r["local"] == dict(params=plan["params"], grads=plan["grads"], optimizer=plan["optimizer"])
+    with torch.device("meta"):
+        assert plan["total"] == memory.plan(odd_mlp(), "adamw", "ddp", 2, 1).total
+
+
+# --- the plan's words ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def resnet18_meta():
+    with torch.device("meta"):
+        return resnet18_cifar()  # 11.2M parameters: 42.6 MiB; with SGD's momentum 128 MiB of states
+
+
+@pytest.mark.parametrize("strategy, workers, per_node, available, says", [
+    ("ddp", 2, 2, 100 * MiB, "--strategy ddp needs 128 MiB of model states per worker (parameters, gradients, "
+     "optimizer state), more than the 100 MiB a worker has; --strategy fsdp over 2 workers needs 63.9 MiB per "
+     "worker (or give --memory-per-worker-gb)"),
+    ("ddp", 2, 2, 40 * MiB, "; --strategy fsdp over 4 workers needs 32.0 MiB per worker"),
+    ("ddp", 4, 2, 70 * MiB, "; --strategy hsdp over 2 nodes of 2 needs 63.9 MiB per worker"),
+    ("fsdp", 2, 2, 40 * MiB, "--strategy fsdp needs 63.9 MiB of model states per worker"),
+    ("ddp", 2, 2, MiB, "; even --strategy fsdp over 64 workers needs 2.0 MiB per worker: give workers more "
+     "memory (--memory-per-worker-gb) or choose a smaller --model"),
+])
+def test_a_run_whose_states_cannot_fit_is_refused_in_one_line_naming_what_would(
+        resnet18_meta, strategy, workers, per_node, available, says):
+    said = memory.refusal(resnet18_meta, "sgd", strategy, workers, per_node, available)
+    assert says in said and "\n" not in said
+
+
+def test_a_run_that_fits_is_not_refused_and_its_plan_is_one_line(resnet18_meta):
+    assert memory.refusal(resnet18_meta, "sgd", "ddp", 2, 2, 128 * MiB) is None
+    line = memory.plan(resnet18_meta, "sgd", "fsdp", 2, 2).line(11 * 2**30 + 200 * MiB)
+    assert line == ("memory plan (fsdp, 2 workers): 21.3 MiB parameters + 21.3 MiB gradients + 21.3 MiB "
+                    "optimizer state = 63.9 MiB per worker, of 11.2 GiB available; activations are measured "
+                    "on the first step")
+    adamw = memory.plan(resnet18_meta, "adamw", "ddp", 1, 1)
+    assert adamw.optimizer == 2 * adamw.params + 4 * 62  # exp_avg, exp_avg_sq, a float32 step per tensor
+
+
+def test_worker_memory_is_the_flag_else_the_gpu_else_a_share_of_the_node():
+    assert memory.worker_memory(1.5, 80 * 2**30, 64 * 2**30, 4) == 1.5 * 2**30
+    assert memory.worker_memory(0, 80 * 2**30, 64 * 2**30, 4) == 80 * 2**30
+    assert memory.worker_memory(0, None, 64 * 2**30, 4) == 16 * 2**30
+    assert memory.worker_memory(0, 0, 10, 0) == 10

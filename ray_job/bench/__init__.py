@@ -10,6 +10,9 @@
                       synchronous vs asynchronous, local folder and object storage (checkpoints.py)
     bench tracking    the cost of --mlflow: the tracking calls of a run's start, of each epoch and
                       of its end, timed against a store (tracking.py)
+    bench memory      --strategy ddp vs fsdp vs hsdp: bytes of parameters, gradients and optimizer
+                      state per worker, peak memory and images/s, with and without activation
+                      checkpointing (memory.py)
 
 Each writes its report as strict JSON (--out) beside what it prints. The parts share common.py
 (device, timed steps, launchers, the device's peak FLOP/s).
@@ -30,6 +33,7 @@ COMMANDS = {
     "race": "RaceConfig",
     "checkpoints": "CheckpointBenchConfig",
     "tracking": "TrackingBenchConfig",
+    "memory": "MemoryBenchConfig",
 }
 
 
