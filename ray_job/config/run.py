@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..core.errors import UsageError
-from ..core.flags import flag_name, option
-from ..core.paths import join_path, resolve_path, split_userinfo
+from ..core.flags import option
+from ..core.paths import join_path, resolve_path
 from .families import AUTO_LR, is_resnet_family, is_transformer, model_label
 
 RESNETS = ("resnet18", "resnet34", "resnet50")  # the raw-DDP baseline's and the benchmarks' models
@@ -219,59 +219,9 @@ class TrainConfig:
                                 affects_result=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model_arg", tuple(self.model_arg or ()))  # a list from JSON or argparse
-        for item in self.model_arg:
-            if "=" not in item or not item.partition("=")[0].strip().isidentifier():
-                raise UsageError(f"--model-arg {item!r}: write KEY=VALUE, e.g. --model-arg patch_size=4")
-        if self.stem != "auto" and not is_resnet_family(self.model):
-            raise UsageError(f"--stem {self.stem} applies to the ResNet family (resnet*, wide_resnet*, "
-                             f"resnext*) only; leave it out for --model {self.model}")
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if choices and value not in choices:
-                raise UsageError(f"--{flag_name(f.name)} {value!r} is not one of: {', '.join(choices)}")
-        positive = ("epochs", "batch_size", "lr_ref_batch", "synthetic_train_size",
-                    "synthetic_test_size", "ddp_bucket_mb", "keep_checkpoints")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise UsageError(f"--{flag_name(name)} must be a positive number, got {getattr(self, name)}")
-        non_negative = ("num_workers", "steps_per_epoch", "max_failures", "log_every", "lr",
-                        "momentum", "weight_decay", "label_smoothing", "warmup_epochs",
-                        "retry_storage_s", "min_workers", "checkpoint_every_min")
-        for name in non_negative:
-            if getattr(self, name) < 0:
-                raise UsageError(f"--{flag_name(name)} must not be negative, got {getattr(self, name)}")
-        if self.cpus_per_worker <= 0 or self.gpus_per_worker <= 0:
-            raise UsageError("--cpus-per-worker and --gpus-per-worker must be positive")
-        if self.label_smoothing >= 1:
-            raise UsageError("--label-smoothing must be below 1")
-        if self.resource_wait_s <= 0 or self.collective_timeout_s <= 0 or self.grow_check_s <= 0:
-            raise UsageError("--resource-wait-s, --collective-timeout-s and --grow-check-s must be positive")
-        # against the given --num-workers, or the count train/trainer.py takes from the cluster (replace() checks again)
-        if self.num_workers and self.min_workers > self.num_workers:
-            raise UsageError(f"--min-workers {self.min_workers} is more than --num-workers {self.num_workers}; "
-                             f"give --min-workers <= --num-workers")
-        if self.image_size < 8:
-            raise UsageError(f"--image-size must be at least 8, got {self.image_size}")
-        if self.image_size != 32 and self.data in ("cifar10", "synthetic"):
-            raise UsageError(f"--image-size {self.image_size} needs --data prepared or imagefolder "
-                             f"(--data {self.data} is 32x32 in memory); prepare it with `python -m "
-                             f"ray_job prepare-data --from cifar10 ...` to resize it")
-        if self.cpu_offload and self.strategy == "ddp":
-            raise UsageError("--cpu-offload offloads sharded states: give --strategy fsdp (or hsdp) with it")
-        if self.memory_per_worker_gb < 0:
-            raise UsageError(f"--memory-per-worker-gb must not be negative, got {self.memory_per_worker_gb}")
-        if self.loader_workers < -1:
-            raise UsageError("--loader-workers must be -1 (auto) or a count >= 0")
-        if split_userinfo(self.mlflow_uri)[1]:
-            raise UsageError(f"--mlflow-uri {split_userinfo(self.mlflow_uri)[0]} holds a user name (and "
-                             f"password), which would show in logs and process lists; give the bare URI and "
-                             f"set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)")
-        if self.mlflow_uri and not self.mlflow:  # naming a tracking store asks for tracking
-            object.__setattr__(self, "mlflow", True)
-        if self.mlflow_register and not self.mlflow:
-            raise UsageError("--mlflow-register needs --mlflow (or --mlflow-uri): tracking is off without it")
+        from .checks import check
+
+        check(self)
 
     # Derived values: computed, never stored, so a dict round-trip cannot make them stale.
     def per_worker_batch(self, world_size: int) -> int:
