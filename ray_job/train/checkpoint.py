@@ -316,13 +316,14 @@ def restore_training_state(state: dict, *, model, optimizer) -> None:
     sharded checkpoint into a sharded or a plain model at any world size (its shards are read from
     the state's `folder`), a full one into a plain or a sharded model."""
     from ..model.parts import unwrap
+    from ..model.sharding import is_sharded
     from . import shards
 
     plain = unwrap(model)
     try:
         if state.get("shards"):
             shards.load(state["folder"].join(state["shards"]), plain, optimizer)
-        elif shards.is_sharded(plain):
+        elif is_sharded(plain):
             shards.load_full(plain, optimizer, state["model"], state.get("optimizer"))
         else:
             plain.load_state_dict(state["model"])

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 
 from .. import storage
+from ..model.sharding import is_sharded
 from ..storage import Location, StorageError
 from .checkpoint import (CHECKPOINT_FILE, CheckpointError, load_checkpoint, sharded_state, training_state,
                          write_checkpoint, write_sharded_checkpoint)
@@ -181,8 +182,6 @@ class Checkpointer:
         """Every rank calls this at the same point, with nothing unreported. `state()` builds
         training_state()'s arguments. Returns the error of a `final` checkpoint that was not saved
         (after --retry-storage-s). A sharded model (fully_shard) is saved by every rank."""
-        from .shards import is_sharded  # DCP: imported by the workers only
-
         kwargs = state()
         if is_sharded(kwargs["model"]):
             return self._save_sharded(kwargs, metrics, final)

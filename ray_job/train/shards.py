@@ -23,15 +23,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict, set_state_dict)
-from torch.distributed.tensor import DTensor
 
 from ..storage import Location, StorageError, reason
 from .shardfs import LocationReader, LocationWriter
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """The model's parameters are DTensors (fully_shard): its state is saved as shards."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
 
 def state_of(model: torch.nn.Module, optimizer: Any) -> dict:
     """This rank's shards of the model's and the optimizer's state, keyed by parameter names (live
