@@ -60,6 +60,10 @@ def connect(cfg: TrainConfig) -> None:
         port = free_port(avoid=raypriv.default_ports())  # a kernel's pick once was 52365, the agent's
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         ray.init(address="local", dashboard_port=port, runtime_env=runtime_env)
+    try:  # a warm-up: if it fails, the controller starts the coordinator itself, 5 s later
+        raypriv.start_autoscaling_coordinator()
+    except Exception as e:  # nothing about the run depends on it
+        log.debug("could not start Ray's autoscaling coordinator ahead: %s", e)
 
 
 def workers_that_fit(cpus: float, gpus: float, nodes: Optional[list] = None) -> int:
