@@ -67,10 +67,12 @@ def checkpoints(server, prefix: str) -> list[str]:
 
 # --- the README road ----------------------------------------------------------------------------
 
-def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir):
+def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir, ray_cluster):
     """The README's road: SIGUSR1 (the request goes into the bucket), a stop mid-epoch, the same command
     continues at that step and finishes, every run file is in the bucket, a third run says
-    finished. (--resume-from s3://... is in the storage fault test below.)"""
+    finished. (--resume-from s3://... is in the storage fault test below.) The first run starts its
+    own local cluster, as the README's command does; the continuation joins the session's head
+    (what it shows is the resume from the bucket, not a cluster's start)."""
     env = aws_user(s3)
     storage = s3.uri("seat")
     args = [*TINY, "--synthetic-train-size", "2048", "--storage-path", storage, "--name", "run",
@@ -83,7 +85,7 @@ def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir):
     assert first.finish() == 3, first.out[-4000:]
     assert "Run the same command again to continue" in first.out
 
-    proc = train(user_dir, *args, env=env)
+    proc = train(user_dir, *args, env=joined(ray_cluster, s3))
     out = first.out + proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert f"results: {storage}/run" in proc.stdout

@@ -32,7 +32,7 @@ def user_dir(user_dir):
     return user_dir
 
 
-def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_dir):
+def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_dir, ray_cluster):
     data = ["--data", "cifar10", "--data-dir", "data", "--no-download", "--storage-path", "results",
             *MODEL]
     args = [*data, "--num-workers", "2", "--epochs", "1"]  # no --name, as in the README
@@ -71,11 +71,12 @@ def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_
     assert "config:" not in again.stdout
     assert len(strict_file(run_dir / "metrics.jsonl")) == 1
 
-    # a new run from one of its checkpoints, named by a relative path
+    # a new run from one of its checkpoints, named by a relative path; on the session's head (the
+    # first run above is the README's own local cluster; this one is about the relative path)
     ckpt = os.path.relpath(summary["latest_checkpoint"], user_dir)
     assert not os.path.isabs(ckpt)
     other = train(user_dir, *data, "--name", "seat2", "--num-workers", "1", "--epochs", "2",
-                  "--resume-from", ckpt)
+                  "--resume-from", ckpt, env=ray_cluster.user_env())
     assert other.returncode == 0, (other.stdout + other.stderr)[-3000:]
     assert [r["epoch"] for r in strict_file(user_dir / "results" / "seat2" / "metrics.jsonl")] == [2]
     assert strict_file(user_dir / "results" / "seat2" / "config.json")["resume_from"] == \
@@ -114,8 +115,9 @@ def test_ctrl_c_checkpoints_where_it_is_and_the_same_command_continues(user_dir,
     asked anywhere in epoch 2 (even after its last poll: then at its end) stops the run instead of
     finishing it; the second Ctrl-C follows the driver's own line that it took the first; the
     .preempt file is written right after the driver cleared the old one, before the first step."""
-    # 1024 images: 16 steps per epoch; the workers look for a stop request every 5 steps
-    args = ["train", "--data", "synthetic", "--synthetic-train-size", "1024", "--synthetic-test-size", "128",
+    # 512 images: 8 steps per epoch; the workers look for a stop request every 5 steps (and at an
+    # epoch's end). The size does not matter to the argument above: it rests on the epoch after.
+    args = ["train", "--data", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "128",
             "--storage-path", "results", "--name", "stopme", "--num-workers", "2", "--epochs", "3",
             *MODEL, "--log-every", "2"]
     run_dir = user_dir / "results" / "stopme"

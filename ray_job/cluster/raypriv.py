@@ -24,6 +24,9 @@ SYMBOLS = {
     "train_context_module": ("ray.train.v2._internal.execution.context", None),
     # the ports a local ray.init() gives its components unless told otherwise (ours must differ)
     "ray_constants": ("ray._private.ray_constants", None),
+    # the actor Ray Train's controller asks for its workers' resources (started early: see below)
+    "autoscaling_coordinator": ("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator",
+                                "get_or_create_autoscaling_coordinator"),
     # tests only: Ray's own validation of cluster.yaml, as `ray up` runs it
     "cluster_config_prepare": ("ray.autoscaler._private.util", "prepare_config"),
     "cluster_config_validate": ("ray.autoscaler._private.util", "validate_config"),
@@ -71,6 +74,16 @@ def is_worker_group_startup_timeout(error: BaseException) -> bool:
 def train_context_logger_name() -> str:
     """Ray names that module's logger by its file path."""
     return get("train_context_module").__file__
+
+
+def start_autoscaling_coordinator() -> None:
+    """Starts Ray's autoscaling coordinator (a detached actor, one per cluster), without waiting.
+    Ray Train's controller asks it for the workers' resources as it starts and waits at most 5 s
+    for the answer; on a cluster where it does not run yet, the ask creates it, and its process
+    takes longer than that to start: every run on a fresh cluster (a local one, each SLURM job)
+    lost 5 s there and printed a traceback ("Failed to send resource request"). Started as the
+    driver connects, it is up by the time the controller asks."""
+    get("autoscaling_coordinator")()
 
 
 def default_ports() -> set[int]:
