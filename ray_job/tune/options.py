@@ -29,7 +29,6 @@ from typing import Any, Union
 from ..config import TrainConfig, config_from_args
 from ..config.parser import add_config_args, apply_recipe
 from ..config.families import model_label
-from ..model import zoo
 from ..core.errors import UsageError
 from ..core.flags import ArgumentParser, Formatter, add_dataclass_args, flag_name, flags_given, option
 
@@ -164,6 +163,8 @@ def check_against(dists: tuple[Dist, ...], base: TrainConfig, world_sizes: set[i
             try:
                 cfg = dataclasses.replace(base, **{d.name: value})
                 if d.name == "model":  # a name or a module that builds no model: one line now
+                    from ..model import zoo  # torchvision: seconds, paid only when a model is searched
+
                     zoo.check(cfg, 10)
                 for world in world_sizes:
                     check(cfg, world)
