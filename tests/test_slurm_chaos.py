@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from processes import frozen
@@ -92,8 +93,8 @@ def world_sizes(job: Job) -> list[int]:
 
 @pytest.mark.timeout(1200)  # fixed waits (node2's restart after 45 s, the grow check) on top of training
 def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_cluster, tmp_path):
-    """Kills: every process of the job on node2 (its `ray start` step, raylet and training worker),
-    mid-epoch 2; later the driver. Expects: with --min-workers 1 the run goes on with one worker
+    """Under --strategy fsdp. Kills: every process of the job on node2 (its `ray start` step, raylet
+    and training worker), mid-epoch 2; later the driver. Expects: with --min-workers 1 the run goes on with one worker
     (epoch 2 redone from its start, the batch rule logged), the script starts node2's Ray again
     (RJ_NODE_RESTART_S later) and the run grows back to two workers at Ray Train's next resize
     check (--grow-check-s); the killed driver fails the job with a line saying how to continue,
@@ -101,7 +102,9 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
     and no temporary folder of ours is left."""
     before = temp_entries()
     epochs = 8
-    args = ["train", *CHAOS, "--epochs", str(epochs), "--min-workers", "1", "--grow-check-s", "10"]
+    # sharded (--strategy fsdp): every resize loads the other world size's shards
+    args = ["train", *CHAOS, "--epochs", str(epochs), "--min-workers", "1", "--grow-check-s", "10",
+            "--strategy", "fsdp"]
     job = Job(slurm_cluster, tmp_path, args, env={"RJ_NODE_RESTART_S": "45"})
     job.wait_for(lambda: f"Epoch [2/{epochs}], Step [8/16]" in job.output, timeout=400, what="epoch 2 under way")
     killed = kill_job_processes(job, "node2")
@@ -156,6 +159,8 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
     assert resumed_on[0] == 1 and 2 in resumed_on, resumed_on  # shrunk, then grown
     summary = json.loads((job.run_dir / "summary.json").read_text())
     assert summary["finished"] and summary["epochs_completed"] == epochs
+    manifest = json.loads((Path(summary["latest_checkpoint"]) / "manifest.json").read_text())
+    assert len([f for f in manifest["files"] if f.endswith(".distcp")]) == sizes[-1]  # a rank's shards each
     again.assert_cleaned_up()
     assert temp_entries() <= before, temp_entries() - before
     report("driver killed", fault_to_job_end=job.ended - driver_killed, world_sizes=sizes, orphans=0)
