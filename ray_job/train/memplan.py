@@ -14,17 +14,15 @@ from typing import Optional
 from ..config import TrainConfig
 from ..core.errors import UsageError
 from ..model import memory, zoo
+from .trainer import workers_on_node
 
 log = logging.getLogger("ray_job.driver")
 
 
 def workers_per_node(cfg: TrainConfig, nodes: list) -> int:
     """Workers on a node as Ray Train places them (it packs them: as many on a node as fit)."""
-    def fit(res: dict) -> int:
-        on_cpus = int(res.get("CPU", 0) // cfg.cpus_per_worker)
-        return min(on_cpus, int(res.get("GPU", 0) // cfg.gpus_in_use)) if cfg.gpus_in_use else on_cpus
-
-    most = max((fit(n.get("Resources", {})) for n in nodes if n.get("Alive")), default=1)
+    most = max((workers_on_node(n.get("Resources", {}), cfg.cpus_per_worker, cfg.gpus_in_use)
+                for n in nodes if n.get("Alive")), default=1)
     return max(1, min(cfg.num_workers, most))
 
 

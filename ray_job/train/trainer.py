@@ -78,11 +78,14 @@ def workers_that_fit(cpus: float, gpus: float, nodes: Optional[list] = None) -> 
     just right now)."""
     import ray
 
-    def fit(res: dict) -> int:
-        on_cpus = int(res.get("CPU", 0) // cpus) if cpus else 10**6
-        return min(on_cpus, int(res.get("GPU", 0) // gpus)) if gpus else on_cpus
+    return sum(workers_on_node(n.get("Resources", {}), cpus, gpus)
+               for n in (ray.nodes() if nodes is None else nodes) if n.get("Alive"))
 
-    return sum(fit(n.get("Resources", {})) for n in (ray.nodes() if nodes is None else nodes) if n.get("Alive"))
+
+def workers_on_node(resources: dict, cpus: float, gpus: float) -> int:
+    """How many workers of this size one node's resources hold."""
+    on_cpus = int(resources.get("CPU", 0) // cpus) if cpus else 10**6
+    return min(on_cpus, int(resources.get("GPU", 0) // gpus)) if gpus else on_cpus
 
 
 def resolve_workers(cfg: TrainConfig) -> TrainConfig:
