@@ -136,6 +136,18 @@ def one_error_line(text: str) -> str:
     return errors[0]
 
 
+# What a command prints once it starts or joins a Ray cluster, and once Ray Train starts workers.
+RAY_STARTED = ("starting a local Ray cluster", "joining the Ray cluster")
+WORKERS_STARTED = "Attempting to start training worker group"
+
+
+def assert_refused_before_ray(proc: subprocess.CompletedProcess) -> None:
+    """A refusal that came before any Ray cluster was started or joined (checked by what the
+    command printed, not by how long it took: machines differ)."""
+    out = proc.stdout + proc.stderr
+    assert not any(words in out for words in RAY_STARTED) and "config:" not in proc.stdout, out[-3000:]
+
+
 # --- running a user's command ---------------------------------------------------------------------
 
 FOREIGN_RAY_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",

@@ -28,7 +28,8 @@ import pytest
 
 from processes import frozen
 
-from conftest import ROOT, RUN_FILES, TINY, Running, head_running, one_error_line, strict, train, user_env
+from conftest import (ROOT, RUN_FILES, TINY, Running, assert_refused_before_ray, head_running, one_error_line, strict,
+                      train, user_env)
 from ray_job.train.checkpoint import MANIFEST_FILE
 from ray_job.train.runfiles import TOPOLOGY_JSON, Event
 
@@ -128,7 +129,7 @@ def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir, ray_cluster)
 
 @pytest.mark.parametrize("case", ["wrong secret", "unknown key", "missing bucket", "dead endpoint",
                                   "read-only user", "secret in the URI"])
-def test_bad_storage_fails_in_seconds_with_one_line(s3, user_dir, case):
+def test_bad_storage_fails_before_ray_with_one_line(s3, user_dir, case):
     from ray_job.cluster.ports import free_port
 
     uri, env = s3.uri("bad"), {}
@@ -144,20 +145,17 @@ def test_bad_storage_fails_in_seconds_with_one_line(s3, user_dir, case):
         env = dict(AWS_ACCESS_KEY_ID=s3.reader_key_id, AWS_SECRET_ACCESS_KEY=s3.reader_secret)
     else:
         uri = uri + f"?access_key={s3.key_id}&secret_key={s3.secret}"
-    started = time.monotonic()
     proc = train(user_dir, *TINY, "--storage-path", uri, "--name", "x", env=aws_user(s3, **env),
                  timeout=120)
-    elapsed = time.monotonic() - started
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
     line = one_error_line(proc.stderr)
     words = {"wrong secret": "refused the credentials", "unknown key": "refused the credentials",
              "missing bucket": "does not exist", "dead endpoint": "cannot reach",
              "read-only user": "no permission to write", "secret in the URI": "not in the URI"}
     assert words[case] in line, line
-    assert "config:" not in proc.stdout and "worker group" not in proc.stderr  # no Ray started
+    assert_refused_before_ray(proc)
     assert s3.secret not in proc.stdout + proc.stderr and "not-the-secret" not in line
-    print(f"{case}: exit 2 after {elapsed:.1f} s: {line}")
-    assert elapsed < 60
+    print(f"{case}: {line}")
 
 
 def test_a_run_folder_on_s3_in_use_is_refused_and_a_stale_lease_taken_over(s3, user_dir, monkeypatch, caplog):

@@ -14,13 +14,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import README_FILES, ROOT, TINY, Running, one_error_line, run_cli, strict_file, tiny_args, user_env
+from conftest import (README_FILES, ROOT, TINY, Running, assert_refused_before_ray, one_error_line, run_cli,
+                      strict_file, tiny_args, user_env)
 from ray_job.config import parse_train_args
 from ray_job.core.errors import UsageError
 
@@ -154,7 +154,7 @@ def test_no_credentials_in_files_or_output(tracked, mlflow_server):
     assert strict_file(tracked.run_dir / "config.json")["mlflow_uri"] == mlflow_server.uri
 
 
-def test_an_unreachable_or_refusing_server_at_start_is_exit_2_in_seconds(mlflow_server, tmp_path):
+def test_an_unreachable_or_refusing_server_at_start_is_exit_2_before_ray(mlflow_server, tmp_path):
     """Nothing listening on the port, then a wrong password: one error line each, exit 2, before
     Ray starts (the config is not even printed), nothing written."""
     from mlflow_server import free_port
@@ -164,14 +164,13 @@ def test_an_unreachable_or_refusing_server_at_start_is_exit_2_in_seconds(mlflow_
              (user_env(**mlflow_server.env(MLFLOW_TRACKING_PASSWORD="not-the-password-42")),
               "refused the credentials")]
     for env, expected in cases:
-        started = time.monotonic()
         proc = run_cli("train", *tiny_args(tmp_path, "nope", "--mlflow"), env=env, timeout=120)
-        elapsed = time.monotonic() - started
         assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
         line = one_error_line(proc.stderr)
-        print(f"\n{elapsed:.1f} s: {line}")
-        assert expected in line and "MLFLOW_TRACKING" in line and elapsed < 60
-        assert "not-the-password-42" not in proc.stdout + proc.stderr and "config:" not in proc.stdout
+        print(f"\n{line}")
+        assert expected in line and "MLFLOW_TRACKING" in line
+        assert "not-the-password-42" not in proc.stdout + proc.stderr
+        assert_refused_before_ray(proc)
         assert not (tmp_path / "results" / "nope").exists()
 
 

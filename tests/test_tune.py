@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import TINY, Running, events, one_error_line, run_cli, strict_file, user_env
+from conftest import TINY, Running, events, one_error_line, run_cli, strict_file, user_env, assert_refused_before_ray
 from ray_job.config import build_train_parser, config_from_args
 from ray_job.core.errors import UsageError
 from ray_job.tune.options import parse_args, parse_dist, parse_space
@@ -76,7 +76,7 @@ def test_same_flags_same_search_name():
         == ("max", "min")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("args, words", [
     (["--space", "lr=loguniform:0:1"], "--space 'lr=loguniform:0:1': loguniform needs bounds above 0"),
     (["--space", "nope=choice:1,2"], "cannot search 'nope'"),
@@ -84,11 +84,10 @@ def test_same_flags_same_search_name():
     (["--space", "lr=uniform:0.1:1", "--epochs", "2", "--grace-epochs", "3"], "--grace-epochs 3 is more than"),
     ([], "nothing to search"),
 ])
-def test_bad_searches_fail_in_a_second_with_one_line(tmp_path, args, words):
-    started = time.monotonic()
+def test_bad_searches_fail_before_ray_with_one_line(tmp_path, args, words):
     out = run_cli("tune", *args, "--storage-path", "results", cwd=tmp_path)
     assert out.returncode == 2 and words in one_error_line(out.stderr), out.stderr
-    assert time.monotonic() - started < 20  # no Ray started
+    assert_refused_before_ray(out)
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
@@ -296,7 +295,7 @@ def _assert_tracked(storage_path, rows: dict) -> None:
         assert child.data.tags["ray_job.early_stopped"] == ("true" if row["status"] == "stopped early" else "false")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_a_search_wider_than_the_cluster_fails_before_any_trial(ray_cluster, tmp_path):
     out = run_cli("tune", *TINY, "--num-workers", "1", "--max-concurrent-trials", "3", "--space",
                   "lr=uniform:0.1:1", "--storage-path", "results", cwd=tmp_path, env=ray_cluster.user_env())

@@ -82,21 +82,6 @@ def train_config(cfg: MemoryBenchConfig) -> TrainConfig:
                        optimizer=cfg.optimizer, data="synthetic" if cfg.image_size == 32 else "prepared")
 
 
-def _reset_peak_rss() -> int:
-    """Resets this process's VmHWM to its current resident memory (Linux) and returns that, in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _placed(cfg: MemoryBenchConfig, strategy: str, ac: bool, device: torch.device, world: int):
     """The model as a worker trains it under `strategy`, and the memory plan of its states."""
     from ..model import memory, sharding, zoo
@@ -147,6 +132,7 @@ def worker(rank: int, world: int, port: int, cfg: MemoryBenchConfig, strategy: s
     import torch.distributed as dist
 
     from ..model.sharding import local_state_bytes
+    from ..train.engine import memory_in_use, reset_peak_memory
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
@@ -157,10 +143,11 @@ def worker(rank: int, world: int, port: int, cfg: MemoryBenchConfig, strategy: s
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        before = torch.cuda.reset_peak_memory_stats(device) if cuda else _reset_peak_rss()
+        reset_peak_memory(device)
+        before = 0 if cuda else memory_in_use(device)  # the GPU's figure is allocations alone
         model, states = _placed(cfg, strategy, ac, device, world)
         optimizer, seconds, per_worker = _train(cfg, model, device, world, cuda and strategy == "ddp")
-        peak = torch.cuda.max_memory_allocated(device) if cuda else _status_bytes("VmHWM") - before
+        peak = memory_in_use(device, peak=True) - before
         held = local_state_bytes(model, optimizer)
         out.put((rank, dict(strategy=strategy + "+ac" * ac, rank=rank, **held, model_states=sum(held.values()),
                             planned_states=states.total, peak_bytes=peak,

@@ -144,7 +144,7 @@ def evaluate(model: nn.Module, batches: Iterable, loss_fn: Callable, preprocess:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Starts a new peak of `peak_memory` (on Linux, clearing the process's VmHWM)."""
+    """Starts a new peak for `memory_in_use(device, peak=True)` (on Linux, clearing the process's VmHWM)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
