@@ -151,6 +151,20 @@ def _same_step_as_one_process(rank: int, world: int) -> float:
     return max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), whole.parameters()))
 
 
+def _batchnorm_stats(rank: int, world: int) -> dict:
+    """Each rank trains one step on data of its own, then sync_buffers: the running statistics
+    before and after, as lists."""
+    torch.manual_seed(0)
+    model = resnet18_cifar()
+    sharding.shard(model, sharding.device_mesh("fsdp", world, world, "cpu"), bf16=False, cpu_offload=False)
+    model(torch.randn(4, 3, 32, 32) + rank).sum().backward()  # each rank's own batch
+    def stats():
+        return [b.tolist() for name, b in model.named_buffers() if name.endswith(("running_mean", "running_var"))]
+    before = stats()
+    sharding.sync_buffers(model)
+    return dict(before=before, after=stats())
+
+
 def _fsdp_rank(rank: int, world: int) -> dict:
     images, rows = torch.randn(4, 3, 32, 32), torch.randn(4, 8)
     return dict(resnet_sgd=_trained_bytes(rank, world, resnet18_cifar, "sgd", images),
@@ -159,7 +173,8 @@ def _fsdp_rank(rank: int, world: int) -> dict:
                 odd_adamw=_trained_bytes(rank, world, odd_mlp, "adamw", rows),
                 # two "nodes" of one worker: replicated across them, a shard group of one
                 hsdp=_trained_bytes(rank, world, odd_mlp, "adamw", rows, "hsdp", 1),
-                step_diff=_same_step_as_one_process(rank, world))
+                step_diff=_same_step_as_one_process(rank, world),
+                batchnorm=_batchnorm_stats(rank, world))
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +207,14 @@ def test_hsdp_replicates_across_nodes_and_shards_within_one(fsdp_ranks):
         assert r["local"] == dict(params=plan["params"], grads=plan["grads"], optimizer=plan["optimizer"])
     with torch.device("meta"):
         assert plan["total"] == memory.plan(odd_mlp(), "adamw", "ddp", 2, 1).total
+
+
+def test_every_rank_evaluates_and_saves_rank_0s_batchnorm_statistics(fsdp_ranks):
+    """Sharded, each rank's running statistics follow its own batches (DDP would broadcast rank 0's);
+    sync_buffers gives every rank rank 0's, as the worker does before evaluating and checkpointing."""
+    zero, one = (r["batchnorm"] for r in fsdp_ranks)
+    assert zero["before"] != one["before"]
+    assert zero["after"] == one["after"] == zero["before"]
 
 
 # --- the plan's words ------------------------------------------------------------------------------

@@ -27,9 +27,12 @@ from ray_job.core.errors import UsageError
 pytestmark = pytest.mark.timeout(900)  # the module's runs share the machine with other suites
 
 EXPERIMENT, MODEL = "rj-tests", "rj-resnet"
-# 1024 images: 16 steps per epoch; Ctrl-C after epoch 1 lands in epoch 2 (it stops a few steps later)
+# 1024 images: 16 steps per epoch; Ctrl-C after epoch 1 lands in epoch 2 (it stops a few steps later).
+# Sharded (--strategy fsdp): the model logged and registered is read from the best checkpoint's
+# shards on the driver, with no process group (the MLflow searches and sweeps train under ddp).
 ARGS = ("train", *TINY, "--synthetic-train-size", "1024", "--num-workers", "2", "--epochs", "3", "--storage-path",
-        "results", "--name", "tracked", "--mlflow", "--mlflow-experiment", EXPERIMENT, "--mlflow-register", MODEL)
+        "results", "--name", "tracked", "--strategy", "fsdp", "--mlflow", "--mlflow-experiment", EXPERIMENT,
+        "--mlflow-register", MODEL)
 NEW_RUN = re.compile(r"tracking: MLflow run (\w+) \(new\)")
 
 

@@ -311,16 +311,18 @@ def test_a_search_wider_than_the_cluster_fails_before_any_trial(ray_cluster, tmp
 def test_a_search_on_object_storage(ray_cluster, s3, tmp_path):
     """--storage-path s3://...: Tune's state, the trials' run folders and the report all in the
     bucket (the head's processes have no AWS variables: the trials get the driver's); the same
-    command again continues the search from the bucket and runs nothing."""
+    command again continues the search from the bucket and runs nothing. The trial trains sharded
+    (--strategy fsdp): its checkpoint's shards go to the bucket through the trial's own storage."""
     env = {**ray_cluster.user_env(), **s3.aws_vars()}
     args = [*TINY, "--num-workers", "1", "--epochs", "1", "--space", "lr=choice:0.05,0.1", "--num-samples", "1",
-            "--scheduler", "none", "--storage-path", s3.uri("searches"), "--name", "s"]
+            "--scheduler", "none", "--strategy", "fsdp", "--storage-path", s3.uri("searches"), "--name", "s"]
     out = run_cli("tune", *args, cwd=tmp_path, env=env)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     keys = s3.keys("searches/s")
     for key in ("search.json", "tune.csv", "tune.md", "tune.png", "tuner.pkl", "trial_000/summary.json",
                 "trial_000/metrics.jsonl", "trial_000/config.json"):
         assert key in keys, keys
+    assert [k for k in keys if k.startswith("trial_000/checkpoint_") and k.endswith(".distcp")], keys
     row = next(csv.DictReader(s3.read("searches/s/tune.csv").decode().splitlines()))
     assert (row["trial"], row["status"], row["epochs"]) == ("trial_000", "finished", "1")
     again = run_cli("tune", *args, cwd=tmp_path, env=env)

@@ -158,6 +158,27 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def sync_buffers(model: nn.Module) -> None:
+    """Every rank takes rank 0's buffers (BatchNorm's running statistics), as DDP gives every rank
+    rank 0's before each forward. Sharded, each rank would keep the statistics of its own batches:
+    the ranks would evaluate with different ones, and a checkpoint would hold whichever copy DCP
+    wrote. Called before every evaluation and every checkpoint; nothing to do for a model that is not
+    sharded."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and is_sharded(model)):
+        return
+    groups: dict = {}
+    for b in model.buffers():
+        groups.setdefault((b.dtype, b.device), []).append(b)
+    with torch.no_grad():
+        for buffers in groups.values():  # one broadcast per dtype: e.g. the statistics, the batch counts
+            flat = torch.cat([b.reshape(-1) for b in buffers])
+            dist.broadcast(flat, src=0)
+            for b, part in zip(buffers, flat.split([b.numel() for b in buffers])):
+                b.copy_(part.view_as(b))
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 

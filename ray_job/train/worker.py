@@ -25,6 +25,7 @@ from ..core.errors import UsageError
 from ..core.jsonio import finite
 from ..data.datasets import load_datasets
 from ..model.parts import unwrap
+from ..model.sharding import sync_buffers
 from .build import (Run, Worker, announce, build_run, epoch_metrics, gather, log_topology, ray_placement, run_store,
                     setup_logging)
 from .checkpointer import UNSCORED, Checkpointer, RayLink, Resume, where
@@ -194,6 +195,7 @@ class Loop:
         run = self.run
         if self.comm_wait is None and run.worker.world > 1 and self.cfg.measure_comm_wait:
             self.comm_wait = measure_comm_wait(run.steps, next(iter(run.train_loader)))
+        sync_buffers(run.model)  # sharded: every rank evaluates with rank 0's BatchNorm statistics
         test = evaluate(run.model, run.test_loader, torch.nn.CrossEntropyLoss(), run.steps.preprocess, run.device,
                         run.speed.bf16)
         self.finished = epoch_metrics(run, done, stats, test, self.comm_wait)
@@ -223,6 +225,7 @@ class Loop:
             report = (self.finished.to_dict() if step == 0 else
                       dict(epoch=done, step=step, preempted=stop, test_acc=UNSCORED))
             final = stop or (done, step) == (self.cfg.epochs, 0)  # written before save() returns
+            sync_buffers(self.run.model)  # sharded: the checkpoint holds what every rank evaluates with
             error = self.checkpointer.save(partial(self.run.state, done, step, self.finished), report, final=final)
             self.storage_error = self.storage_error or error
             self.control.checkpointed()
