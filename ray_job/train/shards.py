@@ -15,6 +15,7 @@ model, a plain one in a process group (DDP), or a plain one in a process without
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -113,7 +114,10 @@ def load(folder: Location, model: torch.nn.Module, optimizer: Any = None, alone:
     else:
         state = state_of(model, optimizer)
     try:
-        dcp.load(state, storage_reader=LocationReader(folder), no_dist=no_dist)
+        with warnings.catch_warnings():
+            if no_dist:  # what DCP warns of then (one process, no group) is what is meant
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=LocationReader(folder), no_dist=no_dist)
     except CheckpointException as e:  # a BaseException: DCP raises it on every rank
         raise StorageError(first_failure(e, f"read the shards in {folder.uri}")) from None
     if optimizer is None:
