@@ -68,10 +68,12 @@ def pytest_collection_modifyitems(config, items):
         if not any(item.get_closest_marker(m) for m in HEAVY):
             item.add_marker("unit")
         # Two test processes (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml) take whole
-        # groups: a module's tests stay together (its module fixtures run once), and every test on the
-        # SLURM test cluster is in one group.
+        # groups: a module's tests stay together (its module fixtures run once), every test on the
+        # SLURM test cluster is in one group, and the modules that look at the trained run share one
+        # (a session fixture is made once per test process).
+        module = item.module.__name__
         item.add_marker(pytest.mark.xdist_group(SLURM_GROUP if item.get_closest_marker("slurm")
-                                                else item.module.__name__))
+                                                else SHARED_GROUPS.get(module, module)))
     # The groups go out in this order: the SLURM one first (the longest, and it mostly waits), then
     # the modules with real systems, then the unit-only ones, which are short and even out the end.
     heavy = {item.module.__name__ for item in items if not item.get_closest_marker("unit")}
@@ -89,6 +91,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 
 SLURM_GROUP = "slurm"
+SHARED_GROUPS = {"test_infer": "test_train"}  # trained_run
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -423,8 +426,9 @@ class TrainedRun:
         return home
 
 
+# 203 test images: an odd count, which padding the last batch of a rank would count twice
 TRAINED_ARGS = ("--data", "synthetic", "--model", "resnet18", "--stem", "imagenet", "--synthetic-train-size",
-                "512", "--synthetic-test-size", "256", "--batch-size", "64", "--log-every", "4",
+                "512", "--synthetic-test-size", "203", "--batch-size", "64", "--log-every", "4",
                 "--num-workers", "2", "--epochs", "2", "--storage-path", "results", "--name", "trained")
 
 

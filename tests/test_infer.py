@@ -111,9 +111,9 @@ def test_the_test_view_keeps_images_of_the_size_and_resizes_the_others():
 def test_predict_and_export_give_the_runs_test_accuracy(trained_run, ray_cluster, tmp_path):
     from PIL import Image
 
-    home = trained_run.home
+    home = trained_run.copy_to(tmp_path)  # the user's folder, with the run in it
     summary = strict_file(trained_run.run_dir / "summary.json")
-    test = make_synthetic(256, TrainConfig().seed, False)  # the run's test split (--synthetic-test-size 256)
+    test = make_synthetic(203, TrainConfig().seed, False)  # the run's test split (--synthetic-test-size 203)
     folder = tmp_path / "images"
     for i, (image, label) in enumerate(zip(test.images.numpy(), test.labels.tolist())):
         os.makedirs(folder / test.classes[label], exist_ok=True)
@@ -136,7 +136,7 @@ def test_predict_and_export_give_the_runs_test_accuracy(trained_run, ray_cluster
                                                for i, label in enumerate(test.labels.tolist()))
     assert all(r["predicted"] == r["class_1"] and 0 < float(r["probability"]) <= 1 for r in rows)
     assert len(rows[0]) == 3 + 2 * 5
-    shown = float(re.search(r"^accuracy: ([0-9.]+) \(256 images", proc.stdout, re.M).group(1))
+    shown = float(re.search(r"^accuracy: ([0-9.]+) \(203 images", proc.stdout, re.M).group(1))
     assert shown == pytest.approx(summary["best_test_acc"], abs=1e-4)
     assert re.search(r"images/s", proc.stdout)
 

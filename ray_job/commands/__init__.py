@@ -27,9 +27,11 @@ commands:
 def run(command: str, rest: list[str]) -> int:
     if command == "train":
         from ..config import parse_train_args
+
+        cfg = parse_train_args(rest)  # the flags alone are checked before torch and Ray are imported
         from ..train.driver import run_training
 
-        return run_training(parse_train_args(rest))
+        return run_training(cfg)
     if command == "tune":
         from ..tune import main as tune_main
 
