@@ -271,6 +271,19 @@ def test_the_local_dashboard_port_is_never_one_of_rays_own_defaults(monkeypatch)
     assert ports.free_port(avoid=raypriv.default_ports()) == 40123
 
 
+def test_the_trainer_starts_no_ray_datasets_actor_for_a_run_that_passes_none():
+    """Ray Train adds a callback that starts a DatasetManager actor at every worker-group start;
+    ours leaves it out when no Ray Dataset is passed, and keeps every other callback."""
+    from ray.train.torch import TorchTrainer
+
+    def names(trainer):
+        return [type(c).__name__ for c in trainer._create_default_callbacks()]
+
+    rays, ours = names(TorchTrainer(lambda: None)), names(raypriv.trainer_class()(lambda: None))
+    assert "DatasetsCallback" in rays and "DatasetsCallback" not in ours
+    assert [n for n in rays if n != "DatasetsCallback"] == ours
+
+
 def test_a_moved_private_symbol_is_named(monkeypatch):
     monkeypatch.setitem(raypriv.SYMBOLS, "gone", ("ray.train", "NoSuchThing"))
     with pytest.raises(raypriv.PrivateAPIMoved, match=r"has no ray.train.NoSuchThing \(gone"):

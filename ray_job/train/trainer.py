@@ -127,7 +127,7 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
     """The TorchTrainer of this run; `callbacks`: Ray Train UserCallbacks for its RunConfig (Tune's
     report callback, experiment tracking), run on Ray Train's controller."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from .notices import Quiet
     from .worker import train_loop_per_worker
@@ -147,7 +147,7 @@ def build_trainer(cfg: TrainConfig, callbacks: Sequence[Any] = ()):
     # Ray's backend (NCCL on GPUs, gloo on CPUs), but gloo for workers that share a GPU (NCCL refuses
     # two ranks on one GPU)
     backend = "gloo" if cfg.use_gpu and cfg.gpus_per_worker < 1 else None
-    return TorchTrainer(
+    return raypriv.trainer_class()(  # TorchTrainer, without an actor our runs do not use
         train_loop_per_worker,
         train_loop_config=cfg.to_dict(),
         # timeout_s: a stuck collective fails the step (gloo; NCCL's watchdog) instead of hanging
