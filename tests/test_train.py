@@ -88,7 +88,7 @@ def test_global_accuracy_equals_single_process_evaluation(trained_run):
     assert (state["epoch"], state["step"]) == (reported["epoch"], 0)  # the checkpoint of that epoch's end
     model = build_model(cfg.model, cfg.stem, 10)
     model.load_state_dict(state["model"])
-    test = ArrayDataset(make_synthetic(203, cfg.seed, False))
+    test = ArrayDataset(make_synthetic(cfg.synthetic_test_size, cfg.seed, False))  # the run's test split
     loader = torch.utils.data.DataLoader(test, batch_size=64, collate_fn=test.collate_fn)
     single = evaluate(model, loader, torch.nn.CrossEntropyLoss(), DeviceAugment(torch.device("cpu"), False),
                       torch.device("cpu"))
