@@ -13,11 +13,15 @@ import secrets
 from collections.abc import Mapping
 
 # No usage-stats upload; no 30 s drain on shutdown (nothing runs on a node once the driver is gone);
-# no PreemptionWatcher actor (it only logs a harmless error line where nodes are not drained).
+# no PreemptionWatcher actor (it only logs a harmless error line where nodes are not drained); no
+# idle Python workers started ahead for the first driver (Ray starts them for tasks; a run starts
+# only actors, each in a worker of its own, so they were ended unused: two on a 2-CPU node, about
+# 0.8 CPU-seconds each, at the moment the run's own processes start).
 DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_prestart_worker_first_driver": "0",
 }
 # glibc's malloc in the processes of a run (the training workers): Ray Train runs the training loop
 # in a thread of the worker, not in its main thread, so the loop's memory comes from a thread
