@@ -417,6 +417,6 @@ def test_submitted_job_writes_to_s3_with_credentials_from_the_cluster(s3, s3_hea
         assert s3.secret not in text
     # The head ran our defaults (ray_job/cluster/rayenv.py): Ray started no idle Python workers ahead
     # for the first driver. Those belong to no job (ffffffff in their log names); with Ray's own
-    # default there are two here, one per CPU.
+    # default there were two here (a head of 2 CPUs).
     ahead = list((Path(s3_head.temp_dir) / "session_latest" / "logs").glob("worker-*-ffffffff-*.out"))
     assert not ahead, ahead
