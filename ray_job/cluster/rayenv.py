@@ -14,9 +14,9 @@ from collections.abc import Mapping
 
 # No usage-stats upload; no 30 s drain on shutdown (nothing runs on a node once the driver is gone);
 # no PreemptionWatcher actor (it only logs a harmless error line where nodes are not drained); no
-# idle Python workers started ahead for the first driver (Ray starts them for tasks; a run starts
-# only actors, each in a worker of its own, so they were ended unused: two on a 2-CPU node, about
-# 0.8 CPU-seconds each, at the moment the run's own processes start).
+# idle Python workers started ahead for the first driver (Ray's head start for a driver's first
+# tasks: a run's actors never used them; two on a 2-CPU node, ~0.8 CPU-seconds each, started as the
+# run's own processes start and ended unused).
 DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
