@@ -28,10 +28,20 @@ from processes import stop_session
 from ray_job.train import runfiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Small enough for 2 CPU cores: resnet18 with the ImageNet stem trains at ~300 img/s there.
-TINY = ["--data", "synthetic", "--model", "resnet18", "--stem", "imagenet",
-        "--synthetic-train-size", "512", "--synthetic-test-size", "256", "--batch-size", "64",
-        "--log-every", "4"]
+# The tests' model: torchvision's VisionTransformer cut to two blocks of width 32 (20 thousand
+# parameters, through --model-arg). It learns the synthetic classes in an epoch for a thirtieth of
+# resnet18's arithmetic and writes checkpoints of a few hundred KB: a tiny run of it costs little
+# more than the start-up of its processes (docs/benchmarks.md).
+TINY_MODEL = ["--model", "VisionTransformer", "--model-arg", "patch_size=8", "--model-arg", "num_layers=2",
+              "--model-arg", "num_heads=2", "--model-arg", "hidden_dim=32", "--model-arg", "mlp_dim=64"]
+# resnet18 with the ImageNet stem (11 million parameters, 45 MB checkpoints, ~300 img/s on 2 CPU
+# cores): for the tests that need big checkpoints (multipart uploads, a disk that fills) or steps
+# slow enough to act on a run mid-epoch; each says which.
+SLOW_MODEL = ["--model", "resnet18", "--stem", "imagenet"]
+_SMALL = ["--data", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "256",
+          "--batch-size", "64", "--log-every", "4"]
+TINY = [*_SMALL, *TINY_MODEL]
+SLOW = [*_SMALL, *SLOW_MODEL]
 # The run folder's files, by the names the run writes them under; a local folder also has the
 # TensorBoard folder (on object storage: keys under tensorboard/).
 RUN_FILES = (runfiles.METRICS_JSONL, runfiles.METRICS_CSV, runfiles.EVENTS_JSONL, runfiles.TOPOLOGY_JSON,
@@ -248,8 +258,9 @@ def jpeg_folder(root, n_train: int, n_test: int, classes: int = 3, lo: int = 40,
             img.save(os.path.join(d, f"{i:04d}.jpg"), quality=85)
 
 
-def tiny_args(tmp_path, name: str, *extra: str) -> list[str]:
-    return [*TINY, "--storage-path", str(tmp_path / "results"), "--name", name, *extra]
+def tiny_args(tmp_path, name: str, *extra: str, slow: bool = False) -> list[str]:
+    """A small run under tmp_path/results/NAME: of TINY, or of SLOW (resnet18) with slow=True."""
+    return [*(SLOW if slow else TINY), "--storage-path", str(tmp_path / "results"), "--name", name, *extra]
 
 
 # --- a Ray head -------------------------------------------------------------------------------
@@ -427,9 +438,9 @@ class TrainedRun:
 
 
 # 203 test images: an odd count, which padding the last batch of a rank would count twice
-TRAINED_ARGS = ("--data", "synthetic", "--model", "resnet18", "--stem", "imagenet", "--synthetic-train-size",
-                "512", "--synthetic-test-size", "203", "--batch-size", "64", "--log-every", "4",
-                "--num-workers", "2", "--epochs", "2", "--storage-path", "results", "--name", "trained")
+TRAINED_ARGS = ("--data", "synthetic", *TINY_MODEL, "--synthetic-train-size", "512", "--synthetic-test-size",
+                "203", "--batch-size", "64", "--log-every", "4", "--num-workers", "2", "--epochs", "2",
+                "--storage-path", "results", "--name", "trained")
 
 
 @pytest.fixture(scope="session")

@@ -13,14 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import SLOW_MODEL, TINY_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "slurm_ray_start.sh"
 
-TINY = ["--data", "synthetic", "--model", "resnet18", "--stem", "imagenet",
-        "--num-workers", "2", "--cpus-per-worker", "2",  # 2 CPUs per node: one worker per node
-        "--synthetic-train-size", "512", "--synthetic-test-size", "128", "--batch-size", "64",
-        "--log-every", "4"]
+_SMALL = ["--data", "synthetic",
+          "--num-workers", "2", "--cpus-per-worker", "2",  # 2 CPUs per node: one worker per node
+          "--synthetic-train-size", "512", "--synthetic-test-size", "128", "--batch-size", "64",
+          "--log-every", "4"]
+TINY = [*_SMALL, *TINY_MODEL]
+SLOW = [*_SMALL, *SLOW_MODEL]  # steps slow enough to act on a run mid-epoch (conftest.SLOW_MODEL)
 SBATCH = ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2", "--time=30"]
 STATE_EVERY_S = 2.0  # how often wait_for asks slurmctld for the job's state
 

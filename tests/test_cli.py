@@ -122,7 +122,7 @@ def _checkpoint_registered(run_dir) -> bool:
 def test_killed_worker_is_replaced_and_training_continues(tmp_path):
     """SIGKILL a real Ray Train worker process mid-epoch; the group restarts from the checkpoint."""
     args = tiny_args(tmp_path, "kill", "--num-workers", "2", "--epochs", "3", "--max-failures", "1",
-                     "--synthetic-train-size", "1536")
+                     "--synthetic-train-size", "1536", slow=True)  # resnet18: killed while epoch 2 trains
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen([sys.executable, "-m", "ray_job", "train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -28,8 +28,8 @@ import pytest
 
 from processes import frozen
 
-from conftest import (ROOT, RUN_FILES, TINY, Running, assert_refused_before_ray, head_running, one_error_line, strict,
-                      train, user_env)
+from conftest import (ROOT, RUN_FILES, SLOW, TINY, Running, assert_refused_before_ray, head_running, one_error_line,
+                      strict, train, user_env)
 from ray_job.train.checkpoint import MANIFEST_FILE
 from ray_job.train.runfiles import TOPOLOGY_JSON, Event
 
@@ -76,7 +76,8 @@ def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir, ray_cluster)
     (what it shows is the resume from the bucket, not a cluster's start)."""
     env = aws_user(s3)
     storage = s3.uri("seat")
-    args = [*TINY, "--synthetic-train-size", "2048", "--storage-path", storage, "--name", "run",
+    # resnet18 (SLOW): checkpoints of 45 MB go up in parts
+    args = [*SLOW, "--synthetic-train-size", "2048", "--storage-path", storage, "--name", "run",
             "--num-workers", "2", "--epochs", "1"]
     first = Running("train", *args, cwd=user_dir, env=env)
     # after the driver cleared an old request ("config:" follows): the request is in the bucket
@@ -266,7 +267,8 @@ def test_a_sweep_writes_its_points_and_report_to_s3(s3, monkeypatch, capsys):
 
 # --- storage faults -----------------------------------------------------------------------------
 
-FAULT = [*TINY, "--num-workers", "1", "--synthetic-train-size", "1536", "--log-every", "0"]
+# resnet18 (SLOW): epochs long enough to stop the server in, checkpoints big enough to fill a small disk
+FAULT = [*SLOW, "--num-workers", "1", "--synthetic-train-size", "1536", "--log-every", "0"]
 
 
 def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir, ray_cluster):
@@ -301,7 +303,7 @@ def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir,
 
 
 def seed_checkpoint(server, prefix: str, epoch: int) -> str:
-    """A checkpoint of the tiny model written straight into the bucket (no Ray); its URI."""
+    """A checkpoint of FAULT's model written straight into the bucket (no Ray); its URI."""
     import torch
 
     from ray_job import storage
@@ -310,7 +312,7 @@ def seed_checkpoint(server, prefix: str, epoch: int) -> str:
     from ray_job.model.zoo import named as build_model
     from ray_job.train.checkpoint import save_checkpoint
 
-    cfg = parse_train_args(TINY)
+    cfg = parse_train_args(FAULT)
     model = build_model(cfg.model, cfg.stem, 10)
     optimizer = build_optimizer(model, cfg, 1, torch.device("cpu"))
     dest = storage.Location(server.client(), f"{server.bucket}/{prefix}", server.uri(prefix))

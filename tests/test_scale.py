@@ -13,10 +13,11 @@ import pytest
 
 from conftest import TINY
 from ray_job.train import stop
+from ray_job.config import parse_train_args
 from ray_job.core.errors import UsageError
 from ray_job.core.exits import ExitCode
 from ray_job.model.parts import gradient_bytes
-from ray_job.model.zoo import named as build_model
+from ray_job.model import zoo
 from ray_job.scale import COLUMNS, main, parse_args
 from ray_job.scale.sweep import measure_all
 from ray_job.scale.report import write_outputs
@@ -52,7 +53,7 @@ def test_sweep_strong_and_weak_on_one_and_two_workers(ray_joined, tmp_path, caps
     assert ok["strong", 1]["run"] == ok["weak", 1]["run"] == "w1"  # the same job in both modes
     assert (ok["strong", 2]["global_batch"], ok["strong", 2]["per_worker_batch"]) == (64, 32)
     assert (ok["weak", 2]["global_batch"], ok["weak", 2]["per_worker_batch"]) == (128, 64)
-    grads = gradient_bytes(build_model("resnet18", "imagenet", 10))
+    grads = gradient_bytes(zoo.build(parse_train_args(SWEEP), 10))
     for (mode, n), r in ok.items():
         assert r["steps"] == 6 and r["grad_bytes"] == grads
         assert r["wall_s"] > r["time_to_first_step_s"] > 0 and r["train_s"] > 0

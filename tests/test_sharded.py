@@ -71,9 +71,10 @@ def test_hsdp_on_two_slurm_nodes_with_two_workers_each(slurm_cluster, tmp_path):
     """`sbatch slurm_ray_start.sh --strategy hsdp` on the two-node SLURM test cluster, two CPU workers
     per node: sharded within a node (each rank holds half the model), replicated across the nodes;
     every rank's shards in the checkpoint's manifest; the job completes."""
-    from slurm_jobs import TINY, Job
+    from slurm_jobs import SLOW, Job
 
-    job = Job(slurm_cluster, tmp_path, ["train", *TINY, "--num-workers", "4", "--cpus-per-worker", "1",
+    # resnet18 (SLOW): its parameter count is what the shards are checked against
+    job = Job(slurm_cluster, tmp_path, ["train", *SLOW, "--num-workers", "4", "--cpus-per-worker", "1",
                                         "--strategy", "hsdp", "--epochs", "1"])
     info = job.wait_done(timeout=600)
     assert info["JobState"] == "COMPLETED", job.tail()

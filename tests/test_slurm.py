@@ -2,7 +2,8 @@
 
 Each test submits the real script with sbatch and checks what a user would: the job's state in
 `scontrol show job`, its output file, and the run folder the driver wrote. Tiny CPU-only runs
-(resnet18, synthetic data, 2 workers of 2 CPUs: one per SLURM node). Needs root and the Debian
+(synthetic data, 2 workers of 2 CPUs: one per SLURM node; the tests' small ViT, resnet18 where a
+job is acted on mid-epoch). Needs root and the Debian
 packages slurmctld, slurmd, slurm-client and munge; skipped otherwise.
 
     .venv/bin/python -m pytest -n 0 -v -s tests/test_slurm.py      # -s prints the measured timings
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from slurm_jobs import SCRIPT, TINY, Job, assert_two_node_run
+from slurm_jobs import SCRIPT, SLOW, TINY, Job, assert_two_node_run
 
 
 # ---- tests ------------------------------------------------------------------------------------
@@ -92,8 +93,9 @@ def test_two_jobs_on_the_nodes_one_preempted_and_resumed_one_cancelled(slurm_clu
     epochs, 2 are left when USR1 is sent: a stop at any step of them, or at epoch 2's end, however
     fast the machine (a stop after the last epoch's last poll would finish the run instead)."""
     epochs = 3
-    job = Job(slurm_cluster, tmp_path / "a", ["train", *TINY, "--epochs", str(epochs)])
-    other = Job(slurm_cluster, tmp_path / "b", ["train", *TINY, "--epochs", "3", "--synthetic-train-size", "1536"])
+    # resnet18 (SLOW): USR1 reaches the run through slurmd, the script and the driver within an epoch
+    job = Job(slurm_cluster, tmp_path / "a", ["train", *SLOW, "--epochs", str(epochs)])
+    other = Job(slurm_cluster, tmp_path / "b", ["train", *SLOW, "--epochs", "3", "--synthetic-train-size", "1536"])
     first = job.wait_for(lambda: [e for e in job.events() if e["event"] == "first_step"],
                          timeout=400, what="the first training step")
     # While it runs: the job's Ray token (head's copy and the user's copy) is private to the user.

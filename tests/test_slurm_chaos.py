@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 from processes import frozen
-from slurm_jobs import TINY, Job, assert_two_node_run, kill_job_processes
+from slurm_jobs import SLOW, Job, assert_two_node_run, kill_job_processes
 
 from ray_job.train.runfiles import Event
 
-# 1024 images / global batch 64 = 16 steps per epoch: a few seconds each, time to kill mid-epoch.
-CHAOS = [*TINY, "--synthetic-train-size", "1024", "--epochs", "3"]
+# 1024 images / global batch 64 = 16 steps per epoch of resnet18 (SLOW): a few seconds each, time
+# to kill mid-epoch.
+CHAOS = [*SLOW, "--synthetic-train-size", "1024", "--epochs", "3"]
 
 
 def events(job: Job, name: str) -> list[dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (README_FILES, ROOT, TINY, Running, assert_refused_before_ray, one_error_line, run_cli,
+from conftest import (README_FILES, ROOT, SLOW, Running, assert_refused_before_ray, one_error_line, run_cli,
                       strict_file, tiny_args, user_env)
 from ray_job.config import parse_train_args
 from ray_job.core.errors import UsageError
@@ -27,10 +27,11 @@ from ray_job.core.errors import UsageError
 pytestmark = pytest.mark.timeout(900)  # the module's runs share the machine with other suites
 
 EXPERIMENT, MODEL = "rj-tests", "rj-resnet"
-# 1024 images: 16 steps per epoch; Ctrl-C after epoch 1 lands in epoch 2 (it stops a few steps later).
+# 1024 images: 16 steps per epoch of resnet18 (SLOW); Ctrl-C after epoch 1 lands in epoch 2 (it stops a
+# few steps later).
 # Sharded (--strategy fsdp): the model logged and registered is read from the best checkpoint's
 # shards on the driver, with no process group (the MLflow searches and sweeps train under ddp).
-ARGS = ("train", *TINY, "--synthetic-train-size", "1024", "--num-workers", "2", "--epochs", "3", "--storage-path",
+ARGS = ("train", *SLOW, "--synthetic-train-size", "1024", "--num-workers", "2", "--epochs", "3", "--storage-path",
         "results", "--name", "tracked", "--strategy", "fsdp", "--mlflow", "--mlflow-experiment", EXPERIMENT,
         "--mlflow-register", MODEL)
 NEW_RUN = re.compile(r"tracking: MLflow run (\w+) \(new\)")
@@ -186,8 +187,9 @@ def test_a_server_unreachable_during_training_costs_one_warning_and_the_epochs_c
     gate = Gate(mlflow_server.port)
     client = mlflow_server.client()
     env = ray_cluster.user_env(**mlflow_server.env(uri=gate.uri))
-    args = tiny_args(tmp_path, "outage", "--num-workers", "1", "--epochs", "3", "--mlflow",
-                     "--mlflow-experiment", EXPERIMENT)
+    # resnet18 (SLOW): epochs 2 and 3 are still to come when the server goes away
+    args = [*SLOW, "--storage-path", str(tmp_path / "results"), "--name", "outage", "--num-workers", "1",
+            "--epochs", "3", "--mlflow", "--mlflow-experiment", EXPERIMENT]
     run = Running("train", *args, env=env)
     try:
         run_id = run.wait_for(lambda: NEW_RUN.search(run.out), timeout=300)[1]

@@ -16,7 +16,7 @@ from ray_job.core.errors import UsageError
 from ray_job.data.arrays import ArrayDataset
 from ray_job.data.augment import DeviceAugment
 from ray_job.data.synthetic import make_synthetic
-from ray_job.model.zoo import named as build_model
+from ray_job.model import zoo
 from ray_job.storage import read_jsonl
 from ray_job.train.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from ray_job.train.driver import run_training
@@ -25,8 +25,8 @@ from ray_job.train.engine import evaluate
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 
-def _train(tmp_path, name, *extra):
-    cfg = parse_train_args(tiny_args(tmp_path, name, *extra))
+def _train(tmp_path, name, *extra, slow=False):
+    cfg = parse_train_args(tiny_args(tmp_path, name, *extra, slow=slow))
     return cfg, run_training(cfg)
 
 
@@ -86,7 +86,7 @@ def test_global_accuracy_equals_single_process_evaluation(trained_run):
     reported = strict_file(trained_run.run_dir / "metrics.jsonl")[-1]
     state = load_checkpoint(strict_file(trained_run.run_dir / "summary.json")["latest_checkpoint"])
     assert (state["epoch"], state["step"]) == (reported["epoch"], 0)  # the checkpoint of that epoch's end
-    model = build_model(cfg.model, cfg.stem, 10)
+    model = zoo.build(cfg, 10)
     model.load_state_dict(state["model"])
     test = ArrayDataset(make_synthetic(cfg.synthetic_test_size, cfg.seed, False))  # the run's test split
     loader = torch.utils.data.DataLoader(test, batch_size=64, collate_fn=test.collate_fn)
@@ -124,8 +124,9 @@ def test_timed_checkpoints_mid_epoch_and_elastic_start_with_what_fits(ray_joined
     # --num-workers 4 on a 2-CPU cluster: refused as a fixed size, started with 2 when elastic
     with pytest.raises(UsageError, match="--num-workers 4 cannot fit"):
         _train(tmp_path, "fixed", "--num-workers", "4")
+    # resnet18 (slow): its epoch of 8 steps lasts many times the 0.12 s between timed checkpoints
     cfg, rc = _train(tmp_path, "timed", "--num-workers", "4", "--min-workers", "1", "--epochs", "1",
-                     "--checkpoint-every-min", "0.002", "--keep-checkpoints", "1")
+                     "--checkpoint-every-min", "0.002", "--keep-checkpoints", "1", slow=True)
     assert rc == 0
     assert [r["world_size"] for r in _rows(cfg)] == [2]
     saved = events(cfg.run_dir(), "checkpoint_saved")
@@ -174,7 +175,7 @@ def test_the_same_run_started_twice_is_refused_and_the_first_finishes(ray_cluste
     """One writer per run folder: a second start of the same name while the first trains is
     refused in seconds, naming the first; the first finishes with each epoch once."""
     args = ["train", *tiny_args(tmp_path, "twice", "--num-workers", "1", "--epochs", "2",
-                                "--synthetic-train-size", "1536")]
+                                "--synthetic-train-size", "1536", slow=True)]  # resnet18: still training
     first = Running(*args, env=ray_cluster.user_env())
     run_dir = tmp_path / "results" / "twice"
     first.wait_for(lambda: events(run_dir, "epoch_start") if (run_dir / "events.jsonl").exists() else None)

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from conftest import TINY, Running, events, one_error_line, run_cli, strict_file, user_env, assert_refused_before_ray
+from conftest import (SLOW, TINY, Running, assert_refused_before_ray, events, one_error_line, run_cli, strict_file,
+                      user_env)
 from ray_job.config import build_train_parser, config_from_args
 from ray_job.core.errors import UsageError
 from ray_job.tune.options import parse_args, parse_dist, parse_space
@@ -196,9 +197,9 @@ def test_the_searchers_propose_values_inside_the_space(how):
 
 # --- one search on the session's Ray head -------------------------------------------------------
 
-# 32 steps an epoch: ASHA's decision on epoch 1 (it comes a few seconds after the epoch, however fast
+# 32 steps an epoch of resnet18 (SLOW): ASHA's decision on epoch 1 (it comes a few seconds after the epoch, however fast
 # the machine) reaches a trial it stops while 64 steps are left.
-SEARCH = [*TINY, "--num-workers", "1", "--epochs", "3", "--synthetic-train-size", "2048",
+SEARCH = [*SLOW, "--num-workers", "1", "--epochs", "3", "--synthetic-train-size", "2048",
           "--synthetic-test-size", "128", "--space", "lr=loguniform:0.00001:1", "--num-samples", "3",
           "--max-concurrent-trials", "2", "--reduction-factor", "2", "--storage-path", "results",
           "--name", "search", "--mlflow"]

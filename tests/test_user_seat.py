@@ -18,11 +18,12 @@ from ray_job.data.cifar10 import write_cifar10
 from ray_job.data.synthetic import make_synthetic
 from ray_job.train.runfiles import Event
 
-from conftest import README_FILES, Running, events, jpeg_folder, run_cli, strict_file, table_rows, train
+from conftest import (README_FILES, SLOW_MODEL, TINY_MODEL, Running, events, jpeg_folder, run_cli, strict_file,
+                      table_rows, train)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
-MODEL = ["--model", "resnet18", "--stem", "imagenet", "--batch-size", "64"]
+MODEL = [*TINY_MODEL, "--batch-size", "64"]
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_relative_paths_land_in_the_users_folder_and_a_rerun_says_finished(user_
     rows = table_rows(proc.stdout)
     assert len(rows) == 1 and float(rows[0][4]) > 0.2, proc.stdout[-2000:]  # test acc > chance
     (run_dir,) = (user_dir / "results").iterdir()  # the default name: ray_job_<data>_<model>_<hash>
-    assert run_dir.name.startswith("ray_job_cifar10_resnet18_")
+    assert run_dir.name.startswith("ray_job_cifar10_VisionTransformer_")
     assert f"results: {run_dir}" in proc.stdout
     assert "(test accuracy 0." in proc.stdout
 
@@ -116,10 +117,11 @@ def test_ctrl_c_checkpoints_where_it_is_and_the_same_command_continues(user_dir,
     finishing it; the second Ctrl-C follows the driver's own line that it took the first; the
     .preempt file is written right after the driver cleared the old one, before the first step."""
     # 512 images: 8 steps per epoch; the workers look for a stop request every 5 steps (and at an
-    # epoch's end). The size does not matter to the argument above: it rests on the epoch after.
+    # epoch's end). The size does not matter to the argument above: it rests on the epoch after,
+    # and on steps of resnet18 (SLOW_MODEL) that leave the Ctrl-C time to arrive within epoch 2.
     args = ["train", "--data", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "128",
             "--storage-path", "results", "--name", "stopme", "--num-workers", "2", "--epochs", "3",
-            *MODEL, "--log-every", "2"]
+            *SLOW_MODEL, "--batch-size", "64", "--log-every", "2"]
     run_dir = user_dir / "results" / "stopme"
     first = Running(*args, cwd=user_dir)  # its own local cluster, as the README's command starts
     first.wait_for(lambda: "Epoch [2/3], Step [" in first.out, timeout=400)
