@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # more than the start-up of its processes (docs/benchmarks.md).
 TINY_MODEL = ["--model", "VisionTransformer", "--model-arg", "patch_size=8", "--model-arg", "num_layers=2",
               "--model-arg", "num_heads=2", "--model-arg", "hidden_dim=32", "--model-arg", "mlp_dim=64"]
-# resnet18 with the ImageNet stem (11 million parameters, 45 MB checkpoints, ~300 img/s on 2 CPU
+# resnet18 with the ImageNet stem (11 million parameters, 86 MB checkpoints, ~300 img/s on 2 CPU
 # cores): for the tests that need big checkpoints (multipart uploads, a disk that fills) or steps
 # slow enough to act on a run mid-epoch; each says which.
 SLOW_MODEL = ["--model", "resnet18", "--stem", "imagenet"]

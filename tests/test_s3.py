@@ -76,7 +76,7 @@ def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir, ray_cluster)
     (what it shows is the resume from the bucket, not a cluster's start)."""
     env = aws_user(s3)
     storage = s3.uri("seat")
-    # resnet18 (SLOW): checkpoints of 45 MB go up in parts
+    # resnet18 (SLOW): its checkpoints go up in parts
     args = [*SLOW, "--synthetic-train-size", "2048", "--storage-path", storage, "--name", "run",
             "--num-workers", "2", "--epochs", "1"]
     first = Running("train", *args, cwd=user_dir, env=env)
