@@ -188,8 +188,8 @@ def test_a_server_unreachable_during_training_costs_one_warning_and_the_epochs_c
     client = mlflow_server.client()
     env = ray_cluster.user_env(**mlflow_server.env(uri=gate.uri))
     # resnet18 (SLOW): epochs 2 and 3 are still to come when the server goes away
-    args = [*SLOW, "--storage-path", str(tmp_path / "results"), "--name", "outage", "--num-workers", "1",
-            "--epochs", "3", "--mlflow", "--mlflow-experiment", EXPERIMENT]
+    args = tiny_args(tmp_path, "outage", "--num-workers", "1", "--epochs", "3", "--mlflow",
+                     "--mlflow-experiment", EXPERIMENT, slow=True)
     run = Running("train", *args, env=env)
     try:
         run_id = run.wait_for(lambda: NEW_RUN.search(run.out), timeout=300)[1]
