@@ -35,8 +35,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = ["--model", "VisionTransformer", "--model-arg", "patch_size=8", "--model-arg", "num_layers=2",
               "--model-arg", "num_heads=2", "--model-arg", "hidden_dim=32", "--model-arg", "mlp_dim=64"]
 # resnet18 with the ImageNet stem (11 million parameters, 86 MB checkpoints, ~300 img/s on 2 CPU
-# cores): for the tests that need big checkpoints (multipart uploads, a disk that fills) or steps
-# slow enough to act on a run mid-epoch; each says which.
+# cores): for the tests that need big checkpoints (multipart uploads, a disk that fills) or its
+# parameter count; each says which. (A test that acts on a run mid-epoch holds it at a step:
+# processes.Hold.)
 SLOW_MODEL = ["--model", "resnet18", "--stem", "imagenet"]
 _SMALL = ["--data", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "256",
           "--batch-size", "64", "--log-every", "4"]
@@ -258,9 +259,9 @@ def jpeg_folder(root, n_train: int, n_test: int, classes: int = 3, lo: int = 40,
             img.save(os.path.join(d, f"{i:04d}.jpg"), quality=85)
 
 
-def tiny_args(tmp_path, name: str, *extra: str, slow: bool = False) -> list[str]:
-    """A small run under tmp_path/results/NAME: of TINY, or of SLOW (resnet18) with slow=True."""
-    return [*(SLOW if slow else TINY), "--storage-path", str(tmp_path / "results"), "--name", name, *extra]
+def tiny_args(tmp_path, name: str, *extra: str) -> list[str]:
+    """A small run of TINY under tmp_path/results/NAME."""
+    return [*TINY, "--storage-path", str(tmp_path / "results"), "--name", name, *extra]
 
 
 # --- a Ray head -------------------------------------------------------------------------------

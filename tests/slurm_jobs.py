@@ -23,7 +23,7 @@ _SMALL = ["--data", "synthetic",
           "--synthetic-train-size", "512", "--synthetic-test-size", "128", "--batch-size", "64",
           "--log-every", "4"]
 TINY = [*_SMALL, *TINY_MODEL]
-SLOW = [*_SMALL, *SLOW_MODEL]  # steps slow enough to act on a run mid-epoch (conftest.SLOW_MODEL)
+SLOW = [*_SMALL, *SLOW_MODEL]  # resnet18 (conftest.SLOW_MODEL)
 SBATCH = ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=2", "--time=30"]
 STATE_EVERY_S = 2.0  # how often wait_for asks slurmctld for the job's state
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from processes import train_workers
+from processes import Hold, train_workers
 
 from conftest import RAY_STARTED, ROOT, TINY, WORKERS_STARTED, assert_refused_before_ray, run_cli, tiny_args
 from ray_job.config import parse_train_args
@@ -122,19 +122,29 @@ def _checkpoint_registered(run_dir) -> bool:
 def test_killed_worker_is_replaced_and_training_continues(tmp_path):
     """SIGKILL a real Ray Train worker process mid-epoch; the group restarts from the checkpoint."""
     args = tiny_args(tmp_path, "kill", "--num-workers", "2", "--epochs", "3", "--max-failures", "1",
-                     "--synthetic-train-size", "1536", slow=True)  # resnet18: killed while epoch 2 trains
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+                     "--synthetic-train-size", "1536")
+    hold = Hold(tmp_path).at(2, 1)  # killed while held mid-epoch 2
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | hold.env
     proc = subprocess.Popen([sys.executable, "-m", "ray_job", "train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "results" / "kill"
-    try:
+
+    def wait_for(what):
         deadline = time.time() + 400
-        while time.time() < deadline and not _checkpoint_registered(run_dir):
+        while not what():
             assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.time() < deadline, "timed out"
             time.sleep(0.2)
+    try:
+        wait_for(lambda: hold.waits_at(2, 1) and [e for e in read_jsonl(str(run_dir / "events.jsonl"))
+                                                  if e["event"] == Event.CHECKPOINT_SAVED])
+        # epoch 1's checkpoint, written, is reported to Ray at the next poll (step 5, answered at 7)
+        hold.at(2, 8)
+        wait_for(lambda: hold.waits_at(2, 8) and _checkpoint_registered(run_dir))
         victims = train_workers(proc.pid)
         assert len(victims) == 2
-        victims[-1].send_signal(signal.SIGKILL)  # mid-epoch 2
+        victims[-1].send_signal(signal.SIGKILL)
+        hold.release()  # the new group goes on past the step
         out, _ = proc.communicate(timeout=500)
     finally:
         if proc.poll() is None:

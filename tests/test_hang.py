@@ -17,9 +17,9 @@ import time
 
 import psutil
 import pytest
-from processes import alive, train_workers
+from processes import Hold, alive, train_workers
 
-from conftest import ROOT, events, strict_file
+from conftest import ROOT, TINY_MODEL, events, strict_file
 from ray_job.train.runfiles import Event
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -27,25 +27,21 @@ TIMEOUT_S = 15
 
 
 def test_a_hung_worker_is_given_up_on_in_bounded_time_and_the_run_recovers(tmp_path):
-    """Rank 1 is stopped as soon as epoch 2 starts: the whole epoch (24 steps) lies between the
-    event and the end-of-epoch-2 checkpoint that would change where the run resumes, against the
-    test's reaction of a 0.1 s poll."""
+    """Rank 1 is stopped while the run is held at epoch 2's first step (RJ_HOLD_FILE), then the
+    hold is let go: rank 0 goes on into a collective that rank 1 never answers."""
+    hold = Hold(tmp_path).at(2, 1)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env["PYTHONPATH"] = ROOT
+    env.update(PYTHONPATH=ROOT, **hold.env)
     run_dir = tmp_path / "results" / "hang"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ray_job", "train", "--data", "synthetic", "--model", "resnet18",
-         "--stem", "imagenet", "--batch-size", "64", "--synthetic-train-size", "1536",
-         "--synthetic-test-size", "128", "--num-workers", "2", "--epochs", "2", "--log-every", "4",
+        [sys.executable, "-m", "ray_job", "train", "--data", "synthetic", *TINY_MODEL, "--batch-size", "64",
+         "--synthetic-train-size", "1536", "--synthetic-test-size", "128", "--num-workers", "2", "--epochs", "2",
+         "--log-every", "4",
          "--collective-timeout-s", str(TIMEOUT_S), "--storage-path", "results", "--name", "hang"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        def epoch_2_started():
-            return (run_dir / "events.jsonl").exists() and \
-                any(e["epoch"] == 2 for e in events(run_dir, Event.EPOCH_START))
-
         deadline = time.monotonic() + 400
-        while not epoch_2_started():
+        while not hold.waits_at(2, 1):
             assert proc.poll() is None and time.monotonic() < deadline, "epoch 2 never started"
             time.sleep(0.1)
         workers = train_workers(proc.pid)
@@ -55,6 +51,7 @@ def test_a_hung_worker_is_given_up_on_in_bounded_time_and_the_run_recovers(tmp_p
         assert rank1 in [w.pid for w in workers], (rank1, workers)
         os.kill(rank1, signal.SIGSTOP)
         stopped = time.time()
+        hold.release()
         out, _ = proc.communicate(timeout=500)
     finally:
         if proc.poll() is None:

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import pytest
 
-from processes import frozen
+from processes import Hold
 
 from conftest import (ROOT, RUN_FILES, SLOW, TINY, Running, assert_refused_before_ray, head_running, one_error_line,
                       strict, train, user_env)
 from ray_job.train.checkpoint import MANIFEST_FILE
-from ray_job.train.runfiles import TOPOLOGY_JSON, Event
+from ray_job.train.runfiles import Event
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(600)]
 
@@ -55,12 +55,6 @@ def complete_checkpoints(server, prefix: str) -> list[str]:
                    if k.startswith("checkpoint_") and k.endswith(f"/{MANIFEST_FILE}")})
 
 
-def worker_pid(server, prefix: str) -> int:
-    """The PID of the run's one training worker (on this machine), from its topology.json."""
-    (worker,) = strict(server.read(f"{prefix}/{TOPOLOGY_JSON}").decode())["workers"]
-    return worker["pid"]
-
-
 def checkpoints(server, prefix: str) -> list[str]:
     return sorted({k.split("/")[0] for k in server.keys(prefix)
                    if k.startswith("checkpoint_") and k.endswith("/checkpoint.pt")})
@@ -77,7 +71,7 @@ def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir, ray_cluster)
     env = aws_user(s3)
     storage = s3.uri("seat")
     # resnet18 (SLOW): its checkpoints go up in parts
-    args = [*SLOW, "--synthetic-train-size", "2048", "--storage-path", storage, "--name", "run",
+    args = [*SLOW, "--synthetic-train-size", "1024", "--storage-path", storage, "--name", "run",
             "--num-workers", "2", "--epochs", "1"]
     first = Running("train", *args, cwd=user_dir, env=env)
     # after the driver cleared an old request ("config:" follows): the request is in the bucket
@@ -93,7 +87,7 @@ def test_two_workers_on_s3_stop_continue_and_finished(s3, user_dir, ray_cluster)
     assert f"results: {storage}/run" in proc.stdout
     events = jsonl(s3, "seat/run/events.jsonl")
     resumed = [e for e in events if e["event"] == Event.RESUMED]
-    assert len(resumed) == 1 and resumed[0]["epoch"] == 0 and 0 < resumed[0]["step"] < 32, events
+    assert len(resumed) == 1 and resumed[0]["epoch"] == 0 and 0 < resumed[0]["step"] < 16, events
     assert ".preempt" not in s3.keys("seat/run")  # the request was cleared by the second start
 
     keys = s3.keys("seat/run")
@@ -267,8 +261,7 @@ def test_a_sweep_writes_its_points_and_report_to_s3(s3, monkeypatch, capsys):
 
 # --- storage faults -----------------------------------------------------------------------------
 
-# resnet18 (SLOW): epochs long enough to stop the server in, checkpoints big enough to fill a small disk
-FAULT = [*SLOW, "--num-workers", "1", "--synthetic-train-size", "1536", "--log-every", "0"]
+FAULT = [*TINY, "--num-workers", "1", "--synthetic-train-size", "1536", "--log-every", "0"]
 
 
 def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir, ray_cluster):
@@ -276,14 +269,16 @@ def test_server_stopped_during_training_keeps_going_and_catches_up(s3, user_dir,
     the run files have failed (a write retried into a server already back would fail nothing): the
     run finishes, epoch 3's checkpoint is saved, and every file has caught up."""
     env = joined(ray_cluster, s3)
+    hold = Hold(user_dir.parent).at(2, 1)  # held early in epoch 2 while the server stops
     run = Running("train", *FAULT, "--storage-path", s3.uri("fault"), "--name", "a",
-                  "--epochs", "3", cwd=user_dir, env=env)
-    run.wait_for(lambda: complete_checkpoints(s3, "fault/a"), every=0.2)
-    with frozen(worker_pid(s3, "fault/a")):  # held early in epoch 2 while the server stops
-        s3.stop()
+                  "--epochs", "3", cwd=user_dir, env=env | hold.env)
+    run.wait_for(lambda: hold.waits_at(2, 1) and complete_checkpoints(s3, "fault/a"), every=0.2)
+    s3.stop()
     down = time.monotonic()
-    run.wait_for(lambda: "NOT saved" in run.out and "to write later" in run.out)
+    hold.at(3, 1)  # on through epoch 2's end, held again at epoch 3's first step until the server is back
+    run.wait_for(lambda: "NOT saved" in run.out and "to write later" in run.out and hold.waits_at(3, 1))
     s3.start()
+    hold.release()
     print(f"\nS3 server down for {time.monotonic() - down:.1f} s during epoch 2")
     rc = run.finish()
     assert rc == 0, run.out[-4000:]
@@ -309,11 +304,11 @@ def seed_checkpoint(server, prefix: str, epoch: int) -> str:
     from ray_job import storage
     from ray_job.config import parse_train_args
     from ray_job.model.optim import build_optimizer
-    from ray_job.model.zoo import named as build_model
+    from ray_job.model import zoo
     from ray_job.train.checkpoint import save_checkpoint
 
     cfg = parse_train_args(FAULT)
-    model = build_model(cfg.model, cfg.stem, 10)
+    model = zoo.build(cfg, 10)
     optimizer = build_optimizer(model, cfg, 1, torch.device("cpu"))
     dest = storage.Location(server.client(), f"{server.bucket}/{prefix}", server.uri(prefix))
     save_checkpoint(dest, model=model, optimizer=optimizer, epoch=epoch, step=0, config=cfg.to_dict(),
@@ -331,12 +326,16 @@ def test_server_down_at_the_end_fails_clearly_then_the_same_command_resumes(s3, 
     env = joined(ray_cluster, s3)
     args = [*FAULT, "--storage-path", s3.uri("fault"), "--name", "b", "--epochs", "3",
             "--resume-from", seed, "--retry-storage-s", "2"]
-    run = Running("train", *args, cwd=user_dir, env=env)
-    run.wait_for(lambda: checkpoints(s3, "fault/b") and  # and recorded by Ray
-                 "checkpoint_manager_snapshot.json" in s3.keys("fault/b"), every=0.2)
-    with frozen(worker_pid(s3, "fault/b")):  # held in epoch 3 while the server stops
-        (first,) = checkpoints(s3, "fault/b")
-        s3.stop()
+    hold = Hold(user_dir.parent).at(3, 1)  # held in epoch 3 while the server stops
+    run = Running("train", *args, cwd=user_dir, env=env | hold.env)
+    run.wait_for(lambda: hold.waits_at(3, 1) and complete_checkpoints(s3, "fault/b"), every=0.2)
+    # epoch 2's checkpoint is reported to Ray at the first poll (every 5 steps) after its upload
+    hold.at(3, 11)
+    run.wait_for(lambda: hold.waits_at(3, 11) and "checkpoint_manager_snapshot.json" in s3.keys("fault/b"),
+                 every=0.2)
+    (first,) = checkpoints(s3, "fault/b")
+    s3.stop()
+    hold.release()
     rc = run.finish()
     assert rc == 1, run.out[-4000:]
     line = one_error_line(run.out)
@@ -369,8 +368,9 @@ def test_full_local_disk_fails_the_checkpoint_and_the_previous_one_stays(user_di
         shutil.rmtree(mnt, ignore_errors=True)
         pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
     try:
-        proc = train(user_dir, *FAULT, "--synthetic-train-size", "512", "--storage-path", str(mnt), "--name",
-                     "full", "--epochs", "2", "--retry-storage-s", "2", env=ray_cluster.user_env())
+        # resnet18 (SLOW): checkpoints big enough to fill a small disk
+        proc = train(user_dir, *SLOW, "--num-workers", "1", "--log-every", "0", "--storage-path", str(mnt),
+                     "--name", "full", "--epochs", "2", "--retry-storage-s", "2", env=ray_cluster.user_env())
         assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
         line = one_error_line(proc.stderr)
         assert "No space left on device" in line and "was not saved" in line, line

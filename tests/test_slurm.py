@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from slurm_jobs import SCRIPT, SLOW, TINY, Job, assert_two_node_run
+from processes import Hold
+from slurm_jobs import SCRIPT, TINY, Job, assert_two_node_run
 
 
 # ---- tests ------------------------------------------------------------------------------------
@@ -89,13 +90,13 @@ def test_two_jobs_on_the_nodes_one_preempted_and_resumed_one_cancelled(slurm_clu
     """Two jobs train on the same two nodes at once, each with its own Ray cluster (one Ray node per
     SLURM node, its own ports and token). `scancel` of one stops every process of it on both nodes
     within RJ_STOP_TIMEOUT. The other gets SLURM's pre-timeout signal (USR1) as epoch 2 starts: it
-    checkpoints at the step, requeues itself, resumes at exactly that step and completes. Of its 3
-    epochs, 2 are left when USR1 is sent: a stop at any step of them, or at epoch 2's end, however
-    fast the machine (a stop after the last epoch's last poll would finish the run instead)."""
+    checkpoints at the step, requeues itself, resumes at exactly that step and completes. Each is
+    held at a step (RJ_HOLD_FILE) while it is signalled or cancelled: nothing races the runs."""
     epochs = 3
-    # resnet18 (SLOW): USR1 reaches the run through slurmd, the script and the driver within an epoch
-    job = Job(slurm_cluster, tmp_path / "a", ["train", *SLOW, "--epochs", str(epochs)])
-    other = Job(slurm_cluster, tmp_path / "b", ["train", *SLOW, "--epochs", "3", "--synthetic-train-size", "1536"])
+    hold, other_hold = Hold(tmp_path / "a").at(2, 1), Hold(tmp_path / "b").at(1, 2)
+    job = Job(slurm_cluster, tmp_path / "a", ["train", *TINY, "--epochs", str(epochs)], env=hold.env)
+    other = Job(slurm_cluster, tmp_path / "b", ["train", *TINY, "--epochs", "3", "--synthetic-train-size", "1536"],
+                env=other_hold.env)
     first = job.wait_for(lambda: [e for e in job.events() if e["event"] == "first_step"],
                          timeout=400, what="the first training step")
     # While it runs: the job's Ray token (head's copy and the user's copy) is private to the user.
@@ -107,9 +108,11 @@ def test_two_jobs_on_the_nodes_one_preempted_and_resumed_one_cancelled(slurm_clu
     nodes, gcs = job.info()["NodeList"], re.search(r"GCS (\S+),", job.output)[1]
 
     cluster = job.cluster
-    job.wait_for(lambda: any(e["event"] == "epoch_start" and e["epoch"] == 2 for e in job.events()),
-                 timeout=500, what="epoch 2 to start")
+    job.wait_for(lambda: hold.waits_at(2, 1), timeout=500, what="epoch 2's first step")
     cluster.run(["scancel", "--batch", "--signal=USR1", str(job.id)])
+    job.wait_for(lambda: "SIGUSR1: asked the workers to checkpoint and stop" in job.output, timeout=60,
+                 what="the driver to take USR1")
+    hold.release()
     # The script checkpoints, requeues the job and exits; the job waits out Slurm's requeue hold.
     info = job.wait_for(lambda: (lambda i: i if i.get("JobState") == "PENDING" else None)(job.info()),
                         timeout=300, what="the job to be requeued")
@@ -117,14 +120,13 @@ def test_two_jobs_on_the_nodes_one_preempted_and_resumed_one_cancelled(slurm_clu
     stopped = re.search(r"stopped at epoch (\d+) step (\d+)", job.output)
     assert stopped, job.tail()
     stop_epoch, stop_step = int(stopped[1]), int(stopped[2])
-    assert 2 <= stop_epoch <= epochs and (stop_step > 0 or stop_epoch > 2), (stop_epoch, stop_step)
+    assert (stop_epoch, stop_step) > (2, 1) and (stop_epoch, stop_step) <= (3, 0), (stop_epoch, stop_step)
     assert "requeueing job" in job.output
     # Skip the ~120 s hold; +2 s because slurmd refuses a launch in the same second as the
     # revocation of the previous run's credential ("Job credential revoked").
     cluster.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now+2"])
 
-    other.wait_for(lambda: any(e["event"] == "first_step" for e in other.events()), timeout=500,
-                   what="the other job's first step")
+    other.wait_for(lambda: other_hold.waits_at(1, 2), timeout=500, what="the other job's second step")
     assert other.info()["NodeList"] == nodes  # the same two nodes, another Ray cluster
     assert re.search(r"GCS (\S+),", other.output)[1] != gcs
     slurm_cluster.run(["scancel", str(other.id)])

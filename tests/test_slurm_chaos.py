@@ -1,8 +1,9 @@
 """Chaos on the real two-node SLURM test cluster: a node's Ray and the driver killed mid-run.
 
 Each test says what it kills, when, and what it expects, and ends with no process of the job left
-on any node (counted by PID through their SLURM_JOB_ID). The runs are tiny CPU ones (resnet18,
-synthetic data, one worker of 2 CPUs per node), with epochs long enough to kill one mid-way.
+on any node (counted by PID through their SLURM_JOB_ID). The runs are tiny CPU ones (a two-block
+ViT, synthetic data, one worker of 2 CPUs per node), held at a step (RJ_HOLD_FILE) where a node or
+the driver is killed: nothing races the run, on a machine of any speed.
 Needs root and the SLURM packages (skipped otherwise).
 
     .venv/bin/python -m pytest -n 0 -v -s tests/test_slurm_chaos.py   # -s prints the measured timings
@@ -10,22 +11,19 @@ Needs root and the SLURM packages (skipped otherwise).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
 import pytest
-from processes import frozen
-from slurm_jobs import SLOW, Job, assert_two_node_run, kill_job_processes
+from processes import Hold
+from slurm_jobs import TINY, Job, assert_two_node_run, kill_job_processes
 
 from ray_job.train.runfiles import Event
 
-# 1024 images / global batch 64 = 16 steps per epoch of resnet18 (SLOW): a few seconds each, time
-# to kill mid-epoch.
-CHAOS = [*SLOW, "--synthetic-train-size", "1024", "--epochs", "3"]
+# 1024 images / global batch 64 = 16 steps per epoch
+CHAOS = [*TINY, "--synthetic-train-size", "1024"]
 
 
 def events(job: Job, name: str) -> list[dict]:
@@ -54,29 +52,6 @@ def temp_entries() -> set[str]:
     return found
 
 
-def frozen_at_a_timed_checkpoint(job: Job, after: float) -> int:
-    """Rank 1 frozen (SIGSTOP) at a moment when the run's newest complete checkpoint is a timed one
-    (step > 0) saved after `after`: a frozen rank holds the whole run (rank 0 waits in its next
-    all-reduce), so no newer checkpoint can come and the run keeps the rest of its work. Rank 0's
-    checkpoint in flight, if any, is written first; when the newest is an epoch's own (step 0, or
-    one coming: that epoch's metrics are written), rank 1 goes on to the next timed one. Returns
-    the frozen PID."""
-    while True:
-        job.wait_for(lambda since=after: [e for e in events(job, Event.CHECKPOINT_SAVED)
-                                          if e["time"] > since and e["step"] > 0],
-                     timeout=300, what="a timed checkpoint")
-        # the group now training wrote its topology before its first step
-        rank1 = [w["pid"] for w in json.loads((job.run_dir / "topology.json").read_text())["workers"]
-                 if w["rank"] == 1]
-        os.kill(rank1[0], signal.SIGSTOP)
-        job.wait_for(lambda: written(job), timeout=120, what="rank 0's checkpoint in flight to be written")
-        newest = events(job, Event.CHECKPOINT_SAVED)[-1]
-        if newest["step"] > 0 and newest["epoch"] + 1 not in [m["epoch"] for m in metrics(job)]:
-            return rank1[0]
-        after = newest["time"]
-        os.kill(rank1[0], signal.SIGCONT)
-
-
 def written(job: Job) -> bool:
     """Every checkpoint folder has its checkpoint_saved event: none is half-written."""
     saved = {e["checkpoint"] for e in events(job, Event.CHECKPOINT_SAVED)}
@@ -95,19 +70,20 @@ def world_sizes(job: Job) -> list[int]:
 @pytest.mark.timeout(1200)  # fixed waits (node2's restart after 45 s, the grow check) on top of training
 def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_cluster, tmp_path):
     """Under --strategy fsdp. Kills: every process of the job on node2 (its `ray start` step, raylet
-    and training worker), mid-epoch 2; later the driver. Expects: with --min-workers 1 the run goes on with one worker
-    (epoch 2 redone from its start, the batch rule logged), the script starts node2's Ray again
-    (RJ_NODE_RESTART_S later) and the run grows back to two workers at Ray Train's next resize
-    check (--grow-check-s); the killed driver fails the job with a line saying how to continue,
-    and a job with RJ_RUN_NAME of the first finishes the run from its last checkpoint. No process
-    and no temporary folder of ours is left."""
+    and training worker), mid-epoch 2; later the driver. Expects: with --min-workers 1 the run goes
+    on with one worker (epoch 2 redone from its start, the batch rule logged), the script starts
+    node2's Ray again (RJ_NODE_RESTART_S later) and the run grows back to two workers at Ray Train's
+    next resize check (--grow-check-s); the killed driver fails the job with a line saying how to
+    continue, and a job with RJ_RUN_NAME of the first finishes the run from its last checkpoint. No
+    process and no temporary folder of ours is left."""
     before = temp_entries()
-    epochs = 8
+    epochs = 4
     # sharded (--strategy fsdp): every resize loads the other world size's shards
     args = ["train", *CHAOS, "--epochs", str(epochs), "--min-workers", "1", "--grow-check-s", "10",
             "--strategy", "fsdp"]
-    job = Job(slurm_cluster, tmp_path, args, env={"RJ_NODE_RESTART_S": "45"})
-    job.wait_for(lambda: f"Epoch [2/{epochs}], Step [8/16]" in job.output, timeout=400, what="epoch 2 under way")
+    hold = Hold(tmp_path / "hold").at(2, 8)
+    job = Job(slurm_cluster, tmp_path, args, env={"RJ_NODE_RESTART_S": "45", **hold.env})
+    job.wait_for(lambda: hold.waits_at(2, 8), timeout=400, what="epoch 2 under way")
     killed = kill_job_processes(job, "node2")
     fault = time.time()
     assert killed, "no process of the job on node2"
@@ -116,25 +92,23 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
         return [e for e in events(job, Event.WORLD_SIZE_CHANGED) if (e["before"], e["after"]) == before_after]
     shrunk = job.wait_for(lambda: resized((2, 1)), timeout=300, what="the run to go on with one worker")
     assert shrunk[0]["global_batch"] == 64  # --batch-mode global: the same global batch
-    # The one worker (its topology is written before the event) is held until the group grows
-    # back: however fast the machine, the run cannot finish its epochs before node2 returns. The
-    # resize ends the held worker as it would a running one.
-    (alone,) = [w["pid"] for w in json.loads((job.run_dir / "topology.json").read_text())["workers"]]
-    with frozen(alone):
-        # the driver's line reaches the job's output file a moment after the event reaches events.jsonl
-        job.wait_for(lambda: "world size changed 2 -> 1; --batch-mode global: global batch 64 -> 64" in job.output,
-                     timeout=60, what="the driver's line about the new world size")
-        job.wait_for(lambda: "starting Ray on node2 again in 45 s (restart 1 of 3)" in job.output, timeout=60,
-                     what="the script to say when it starts node2's Ray again")
-        job.wait_for(lambda: "starting Ray on node2 again\n" in job.output, timeout=200,
-                     what="the script to start node2's Ray again")
-        # Grown: a group of two resumes. From the 2-worker checkpoint of epoch 1 if the 1-worker group
-        # saved none before the resize (then no world_size_changed: nothing to re-shard), else 1 -> 2.
-        grown = job.wait_for(lambda: [e for e in events(job, Event.RESUMED) if e["time"] > shrunk[0]["time"]
-                                      and e["world_size"] == 2], timeout=300,
-                             what="the run to grow back to two workers")
-    job.wait_for(lambda: any(e["time"] > grown[0]["time"] for e in events(job, Event.CHECKPOINT_SAVED)),
-                 timeout=300, what="a checkpoint with two workers again")
+    # The one worker redoes epoch 2 up to the same step, where the hold keeps it until the group
+    # grows back: however fast the machine, the run cannot finish before node2 returns. The resize
+    # ends the held worker as it would a running one.
+    # the driver's line reaches the job's output file a moment after the event reaches events.jsonl
+    job.wait_for(lambda: "world size changed 2 -> 1; --batch-mode global: global batch 64 -> 64" in job.output,
+                 timeout=60, what="the driver's line about the new world size")
+    job.wait_for(lambda: "starting Ray on node2 again in 45 s (restart 1 of 3)" in job.output, timeout=60,
+                 what="the script to say when it starts node2's Ray again")
+    job.wait_for(lambda: "starting Ray on node2 again\n" in job.output, timeout=200,
+                 what="the script to start node2's Ray again")
+    # Grown: a group of two resumes from the 2-worker checkpoint of epoch 1 (the held one saved none).
+    grown = job.wait_for(lambda: [e for e in events(job, Event.RESUMED) if e["time"] > shrunk[0]["time"]
+                                  and e["world_size"] == 2], timeout=300,
+                         what="the run to grow back to two workers")
+    hold.at(3, 8)  # on, through epoch 2's checkpoint, to the middle of epoch 3
+    job.wait_for(lambda: hold.waits_at(3, 8) and written(job), timeout=300, what="epoch 3 under way")
+    assert any(e["time"] > grown[0]["time"] for e in events(job, Event.CHECKPOINT_SAVED)), job.events()
     report("elastic, node2 killed mid-epoch 2", killed=len(killed), fault_to_one_worker=shrunk[0]["time"] - fault,
            fault_to_two_workers=grown[0]["time"] - fault)
 
@@ -149,13 +123,14 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
     job.assert_cleaned_up()
     last = [e for e in events(job, Event.CHECKPOINT_SAVED)][-1]
 
+    hold.release()
     again = Job(slurm_cluster, tmp_path, args, env={"RJ_RUN_NAME": run_name})
     again.run_dir = job.run_dir
     info = again.wait_done(timeout=500)
     assert info["JobState"] == "COMPLETED", again.tail()
     assert [(e["epoch"], e["step"]) for e in events(again, Event.RESUMED)][-1] == (last["epoch"], last["step"])
-    sizes = world_sizes(again)  # per epoch; 1 only if the 1-worker group finished an epoch
-    assert len(sizes) == epochs and sizes[0] == 2 and sizes[-1] == 2 and set(sizes) <= {1, 2}, sizes
+    sizes = world_sizes(again)  # per epoch: the one worker was held until the group grew back
+    assert sizes == [2] * epochs, sizes
     resumed_on = [e["world_size"] for e in events(job, Event.RESUMED)]
     assert resumed_on[0] == 1 and 2 in resumed_on, resumed_on  # shrunk, then grown
     summary = json.loads((job.run_dir / "summary.json").read_text())
@@ -169,20 +144,20 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
 
 @pytest.mark.timeout(900)
 def test_lost_node_fixed_size_gets_its_workers_back_and_when_it_cannot_requeues(slurm_cluster, tmp_path):
-    """Kills: every process of the job on node2, mid-epoch 2, twice. Expects: the first time, the
-    script starts node2's Ray again and the fixed-size run gets its two workers back within
+    """Kills: every process of the job on node2, mid-epoch 2, then mid-epoch 3. Expects: the first
+    time, the script starts node2's Ray again and the fixed-size run gets its two workers back within
     --resource-wait-s (no exit 5); the second time there is no restart left (RJ_NODE_RESTARTS=1):
     the driver waits --resource-wait-s, exits 5 saying what is missing, the job requeues, and the
     requeued job (both nodes healthy again) resumes from the last checkpoint (a timed one, at its
     exact step) and finishes."""
     before = temp_entries()
     wait_s = 40
-    # A timed checkpoint falls due at every poll with no upload in flight (0.001 min = 60 ms, less
-    # than any 5 steps), so one comes after the restart however fast the machine is.
+    # A timed checkpoint falls due at every poll with no upload in flight (0.0001 min = 6 ms)
+    hold = Hold(tmp_path / "hold").at(2, 8)
     job = Job(slurm_cluster, tmp_path, ["train", *CHAOS, "--epochs", "4", "--resource-wait-s", str(wait_s),
-                                        "--checkpoint-every-min", "0.001"],
-              env={"RJ_NODE_RESTARTS": "1", "RJ_NODE_RESTART_S": "5"})
-    job.wait_for(lambda: "Epoch [2/4], Step [8/16]" in job.output, timeout=400, what="epoch 2 under way")
+                                        "--checkpoint-every-min", "0.0001"],
+              env={"RJ_NODE_RESTARTS": "1", "RJ_NODE_RESTART_S": "5", **hold.env})
+    job.wait_for(lambda: hold.waits_at(2, 8), timeout=400, what="epoch 2 under way")
     first = kill_job_processes(job, "node2")
     fault = time.time()
     assert first, "no process of the job on node2"
@@ -193,11 +168,15 @@ def test_lost_node_fixed_size_gets_its_workers_back_and_when_it_cannot_requeues(
     assert "--resource-wait-s" not in job.output.split("(restart 1 of 1)")[-1]  # no giving up
     report("fixed size, node2 killed and started again", fault_to_training_again=back[0]["time"] - fault)
 
-    frozen = frozen_at_a_timed_checkpoint(job, after=back[0]["time"])
+    # On to epoch 3's step 13, past the polls of steps 5 and 10 (each a timed checkpoint, two steps
+    # later), and held there until every checkpoint begun is written.
+    hold.at(3, 13)
+    job.wait_for(lambda: hold.waits_at(3, 13) and written(job), timeout=300, what="epoch 3's step 13")
+    newest = events(job, Event.CHECKPOINT_SAVED)[-1]
+    assert (newest["epoch"], newest["step"] > 0) == (2, True), newest  # a timed one, in epoch 3
     second = kill_job_processes(job, "node2")
     fault = time.time()
-    with contextlib.suppress(ProcessLookupError):  # rank 1 was on node1: it wakes to a lost peer
-        os.kill(frozen, signal.SIGCONT)
+    hold.release()  # a rank on node1 goes on to a lost peer; the requeued job is not held
     assert second, "no process of the job on node2 the second time"
     info = job.wait_for(lambda: (lambda i: i if i.get("JobState") == "PENDING" else None)(job.info()),
                         timeout=300, what="the job to be requeued")

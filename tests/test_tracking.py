@@ -19,19 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (README_FILES, ROOT, SLOW, Running, assert_refused_before_ray, one_error_line, run_cli,
-                      strict_file, tiny_args, user_env)
+from conftest import (README_FILES, ROOT, TINY, Running, assert_refused_before_ray, events, one_error_line,
+                      run_cli, strict_file, tiny_args, user_env)
+from processes import Hold
 from ray_job.config import parse_train_args
 from ray_job.core.errors import UsageError
 
 pytestmark = pytest.mark.timeout(900)  # the module's runs share the machine with other suites
 
-EXPERIMENT, MODEL = "rj-tests", "rj-resnet"
-# 1024 images: 16 steps per epoch of resnet18 (SLOW); Ctrl-C after epoch 1 lands in epoch 2 (it stops a
+EXPERIMENT, MODEL = "rj-tests", "rj-model"
+# 1024 images: 16 steps per epoch; Ctrl-C while the run is held at epoch 2's first step (it stops a
 # few steps later).
 # Sharded (--strategy fsdp): the model logged and registered is read from the best checkpoint's
 # shards on the driver, with no process group (the MLflow searches and sweeps train under ddp).
-ARGS = ("train", *SLOW, "--synthetic-train-size", "1024", "--num-workers", "2", "--epochs", "3", "--storage-path",
+ARGS = ("train", *TINY, "--synthetic-train-size", "1024", "--num-workers", "2", "--epochs", "3", "--storage-path",
         "results", "--name", "tracked", "--strategy", "fsdp", "--mlflow", "--mlflow-experiment", EXPERIMENT,
         "--mlflow-register", MODEL)
 NEW_RUN = re.compile(r"tracking: MLflow run (\w+) \(new\)")
@@ -55,12 +56,15 @@ class Tracked:
 @pytest.fixture(scope="module")
 def tracked(mlflow_server, ray_cluster, tmp_path_factory) -> Tracked:
     home = tmp_path_factory.mktemp("user")
+    hold = Hold(tmp_path_factory.mktemp("hold")).at(2, 1)
     env = ray_cluster.user_env(**mlflow_server.env())
     client = mlflow_server.client()
-    first = Running(*ARGS, cwd=home, env=env)
+    first = Running(*ARGS, cwd=home, env={**env, **hold.env})
     run_id = first.wait_for(lambda: NEW_RUN.search(first.out), timeout=300)[1]
-    first.wait_for(lambda: "epoch 1/3:" in first.out, timeout=300)  # rank 0's line of epoch 1
+    first.wait_for(lambda: hold.waits_at(2, 1), timeout=300)
     first.signal_group(signal.SIGINT)
+    first.wait_for(lambda: "Ctrl-C: asked the workers to checkpoint and stop" in first.out, every=0.1)
+    hold.release()
     rc = first.finish()
     stopped = client.get_run(run_id).info.status, epochs(client, run_id)
     again = run_cli(*ARGS, cwd=home, env=env)
@@ -73,7 +77,8 @@ def test_a_run_logs_params_epoch_metrics_tags_and_its_files(tracked, mlflow_serv
     run = client.get_run(tracked.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["mlflow.runName"] == "tracked"
     p = run.data.params
-    assert (p["world_size"], p["per_worker_batch"], p["global_batch"], p["model"]) == ("2", "32", "64", "resnet18")
+    assert (p["world_size"], p["per_worker_batch"], p["global_batch"]) == ("2", "32", "64")
+    assert p["model"] == "VisionTransformer"
     assert "64 split across 2 worker(s) = 32 per worker" in p["batch_rule"]
     assert p["mlflow_uri"] == mlflow_server.uri  # bare, as config.json has it
     # per epoch, step = epoch, each once, the values of metrics.jsonl
@@ -187,14 +192,19 @@ def test_a_server_unreachable_during_training_costs_one_warning_and_the_epochs_c
     gate = Gate(mlflow_server.port)
     client = mlflow_server.client()
     env = ray_cluster.user_env(**mlflow_server.env(uri=gate.uri))
-    # resnet18 (SLOW): epochs 2 and 3 are still to come when the server goes away
     args = tiny_args(tmp_path, "outage", "--num-workers", "1", "--epochs", "3", "--mlflow",
-                     "--mlflow-experiment", EXPERIMENT, slow=True)
-    run = Running("train", *args, env=env)
+                     "--mlflow-experiment", EXPERIMENT)
+    run_dir = tmp_path / "results" / "outage"
+    hold = Hold(tmp_path).at(2, 1)  # epochs 2 and 3 still to come when the server goes away
+    run = Running("train", *args, env={**env, **hold.env})
     try:
         run_id = run.wait_for(lambda: NEW_RUN.search(run.out), timeout=300)[1]
-        run.wait_for(lambda: epochs(client, run_id), timeout=300, every=0.5)
+        run.wait_for(lambda: hold.waits_at(2, 1) and events(run_dir, "checkpoint_saved"), timeout=300)
+        # epoch 1's checkpoint, written, is reported with its metrics (to MLflow) at the next poll (step 5)
+        hold.at(2, 6)
+        run.wait_for(lambda: hold.waits_at(2, 6) and epochs(client, run_id), timeout=300, every=0.5)
         gate.close()
+        hold.release()
         run.wait_for(lambda: "training goes on" in run.out, timeout=300)
         gate.open()
         assert run.finish() == 0, run.out[-4000:]
@@ -204,7 +214,6 @@ def test_a_server_unreachable_during_training_costs_one_warning_and_the_epochs_c
     assert len(failed) == 1, run.out[-4000:]
     assert "answers again" in run.out or "caught up" in run.out, run.out[-4000:]
     print("\n" + "\n".join(line for line in run.out.splitlines() if "tracking:" in line))
-    run_dir = tmp_path / "results" / "outage"
     assert all((run_dir / name).exists() for name in README_FILES)
     assert [r["epoch"] for r in strict_file(run_dir / "metrics.jsonl")] == [1, 2, 3]
     assert epochs(client, run_id) == [1, 2, 3]

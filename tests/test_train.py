@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+from processes import Hold
+
 from conftest import Running, events, one_error_line, run_cli, strict_file, tiny_args, assert_refused_before_ray
 from ray_job.config import parse_train_args
 from ray_job.core.errors import UsageError
@@ -25,8 +27,8 @@ from ray_job.train.engine import evaluate
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 
-def _train(tmp_path, name, *extra, slow=False):
-    cfg = parse_train_args(tiny_args(tmp_path, name, *extra, slow=slow))
+def _train(tmp_path, name, *extra):
+    cfg = parse_train_args(tiny_args(tmp_path, name, *extra))
     return cfg, run_training(cfg)
 
 
@@ -124,9 +126,10 @@ def test_timed_checkpoints_mid_epoch_and_elastic_start_with_what_fits(ray_joined
     # --num-workers 4 on a 2-CPU cluster: refused as a fixed size, started with 2 when elastic
     with pytest.raises(UsageError, match="--num-workers 4 cannot fit"):
         _train(tmp_path, "fixed", "--num-workers", "4")
-    # resnet18 (slow): its epoch of 8 steps lasts many times the 0.12 s between timed checkpoints
+    # a timed checkpoint due at every poll with no upload in flight (0.0001 min = 6 ms): the first
+    # at step 5's (5 steps take longer on any machine), answered at step 7
     cfg, rc = _train(tmp_path, "timed", "--num-workers", "4", "--min-workers", "1", "--epochs", "1",
-                     "--checkpoint-every-min", "0.002", "--keep-checkpoints", "1", slow=True)
+                     "--checkpoint-every-min", "0.0001", "--keep-checkpoints", "1")
     assert rc == 0
     assert [r["world_size"] for r in _rows(cfg)] == [2]
     saved = events(cfg.run_dir(), "checkpoint_saved")
@@ -174,12 +177,13 @@ def test_every_checkpoint_damaged_is_one_error_and_exit_2(ray_cluster, trained_r
 def test_the_same_run_started_twice_is_refused_and_the_first_finishes(ray_cluster, tmp_path):
     """One writer per run folder: a second start of the same name while the first trains is
     refused in seconds, naming the first; the first finishes with each epoch once."""
-    args = ["train", *tiny_args(tmp_path, "twice", "--num-workers", "1", "--epochs", "2",
-                                "--synthetic-train-size", "1536", slow=True)]  # resnet18: still training
-    first = Running(*args, env=ray_cluster.user_env())
+    args = ["train", *tiny_args(tmp_path, "twice", "--num-workers", "1", "--epochs", "2")]
+    hold = Hold(tmp_path).at(1, 1)  # the first held at its first step while the second starts
+    first = Running(*args, env=ray_cluster.user_env(**hold.env))
     run_dir = tmp_path / "results" / "twice"
-    first.wait_for(lambda: events(run_dir, "epoch_start") if (run_dir / "events.jsonl").exists() else None)
+    first.wait_for(lambda: hold.waits_at(1, 1))
     second = run_cli(*args, env=ray_cluster.user_env(), timeout=120)
+    hold.release()
     assert second.returncode == 2, (second.stdout + second.stderr)[-3000:]
     line = one_error_line(second.stderr)
     assert "is in use by another run" in line and f"pid {first.proc.pid}" in line

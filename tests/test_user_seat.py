@@ -18,8 +18,9 @@ from ray_job.data.cifar10 import write_cifar10
 from ray_job.data.synthetic import make_synthetic
 from ray_job.train.runfiles import Event
 
-from conftest import (README_FILES, SLOW_MODEL, TINY_MODEL, Running, events, jpeg_folder, run_cli, strict_file,
-                      table_rows, train)
+from conftest import (README_FILES, TINY_MODEL, Running, events, jpeg_folder, run_cli, strict_file, table_rows,
+                      train, user_env)
+from processes import Hold
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -104,7 +105,7 @@ def _ours(proc, settle_s: float = 30) -> list:
         time.sleep(0.5)
 
 
-@pytest.mark.timeout(1200)  # five runs of the README's command, three epochs
+@pytest.mark.timeout(900)  # four runs of the README's command
 def test_ctrl_c_checkpoints_where_it_is_and_the_same_command_continues(user_dir, ray_cluster):
     """Ctrl-C (SIGINT to the terminal's process group) during epoch 2 of the README's command: exit
     130 with the line that says what was kept, summary.json says interrupted, nothing left running;
@@ -112,44 +113,48 @@ def test_ctrl_c_checkpoints_where_it_is_and_the_same_command_continues(user_dir,
     hand (.preempt, as the README says): exit 3; and the same command once more continues at the
     saved step and finishes.
 
-    No step of this races the run: --epochs 3 leaves an epoch after the one interrupted, so a stop
-    asked anywhere in epoch 2 (even after its last poll: then at its end) stops the run instead of
-    finishing it; the second Ctrl-C follows the driver's own line that it took the first; the
-    .preempt file is written right after the driver cleared the old one, before the first step."""
+    No step of this races the run: each Ctrl-C is sent while the run is held at a step
+    (RJ_HOLD_FILE) and let go once the driver said it took it; the .preempt file is written right
+    after the driver cleared the old one, before the first step."""
     # 512 images: 8 steps per epoch; the workers look for a stop request every 5 steps (and at an
-    # epoch's end). The size does not matter to the argument above: it rests on the epoch after,
-    # and on steps of resnet18 (SLOW_MODEL) that leave the Ctrl-C time to arrive within epoch 2.
+    # epoch's end).
     args = ["train", "--data", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "128",
             "--storage-path", "results", "--name", "stopme", "--num-workers", "2", "--epochs", "3",
-            *SLOW_MODEL, "--batch-size", "64", "--log-every", "2"]
+            *TINY_MODEL, "--batch-size", "64", "--log-every", "2"]
     run_dir = user_dir / "results" / "stopme"
-    first = Running(*args, cwd=user_dir)  # its own local cluster, as the README's command starts
-    first.wait_for(lambda: "Epoch [2/3], Step [" in first.out, timeout=400)
+    took = "Ctrl-C: asked the workers to checkpoint and stop"
+    hold = Hold(user_dir.parent / "hold").at(2, 3)
+    # its own local cluster, as the README's command starts
+    first = Running(*args, cwd=user_dir, env=user_env(**hold.env))
+    first.wait_for(lambda: hold.waits_at(2, 3), timeout=400)
     first.signal_group(signal.SIGINT)
     interrupted = time.monotonic()
+    first.wait_for(lambda: took in first.out, every=0.1)
+    hold.release()
     assert first.finish() == 130, first.out[-4000:]
     stopped = re.search(r"stopped at epoch (\d+) step (\d+) \(Ctrl-C\); checkpoint saved. Run the same "
                         r"command again to continue.", first.out)
     assert stopped, first.out[-3000:]
     position = (int(stopped[1]) - 1, int(stopped[2]))  # as the checkpoint holds it: epoch 0-based
-    assert (1, 1) <= position <= (2, 0), position  # in epoch 2, or at its end if asked after its last poll
+    assert (1, 3) < position <= (2, 0), position  # at a poll after step 3 of epoch 2, or at its end
     print(f"\nCtrl-C: exit 130 {time.monotonic() - interrupted:.1f} s later, at epoch {stopped[1]} step {stopped[2]}")
     summary = strict_file(run_dir / "summary.json")
     assert not summary["finished"] and summary["stopped"] == "Ctrl-C" and summary["latest_checkpoint"]
     assert load_state(summary["latest_checkpoint"])[:2] == position
     assert not _ours(first.proc) and not (run_dir / ".lease.json").exists()
 
-    second = Running(*args, cwd=user_dir)
-    second.wait_for(lambda: "Step [" in second.out, timeout=400)
+    hold.at(2, 1)  # at the first step it takes: the stop the first Ctrl-C asks for cannot come before the second
+    second = Running(*args, cwd=user_dir, env=user_env(**hold.env))
+    held = second.wait_for(hold.where, timeout=400)
     second.signal_group(signal.SIGINT)
-    # the second once the driver took the first (two before its handler runs would count as one);
-    # the stop it asked for is at least a poll, a checkpoint and Ray's report away
-    second.wait_for(lambda: "Ctrl-C: asked the workers to checkpoint and stop" in second.out, every=0.05)
+    # the second once the driver took the first (two before its handler runs would count as one)
+    second.wait_for(lambda: took in second.out, every=0.05)
     second.signal_group(signal.SIGINT)
     assert second.finish(timeout=60) == 130, second.out[-3000:]
+    hold.release()
     assert "aborted by a second Ctrl-C" in second.out and summary["latest_checkpoint"] in second.out
     assert not _ours(second.proc)
-    assert load_state(summary["latest_checkpoint"])[:2] == position  # intact
+    assert load_state(summary["latest_checkpoint"])[:2] == position, held  # intact
 
     third = Running(*args, cwd=user_dir, env=ray_cluster.user_env())
     # "config:" follows the driver's clearing of an old request: the file is there before any step

@@ -21,7 +21,7 @@ from ..config import TrainConfig, choose_use_gpu
 from ..core.errors import UsageError
 from ..core.exits import ExitCode
 from ..storage import StorageError
-from . import stop
+from . import hold, stop
 from .checkpointer import SCORE_METRIC, SCORE_ORDER, saved_checkpoints
 from .runfiles import EVENTS_JSONL, METRICS_JSONL, SUMMARY_JSON, Event
 from .runlog import read_metrics
@@ -50,12 +50,13 @@ def connect(cfg: TrainConfig) -> None:
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     # Read by Ray Train's controller: how long a worker group may wait for its resources, for the
     # old group's process group to be destroyed before a restart, and how often it polls the
-    # workers; and the workers' malloc.
+    # workers; the workers' malloc; a hold asked for (hold.py).
     wait_s = min(cfg.resource_wait_s, ELASTIC_START_TIMEOUT_S) if cfg.min_workers else cfg.resource_wait_s
     runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{wait_s:g}",
                                 "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(PG_SHUTDOWN_TIMEOUT_S),
                                 "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": f"{CONTROLLER_POLL_S:g}",
-                                **rayenv.worker_malloc(os.environ)}}
+                                **rayenv.worker_malloc(os.environ),
+                                **({hold.ENV: os.environ[hold.ENV]} if hold.ENV in os.environ else {})}}
     if address:
         log.info("joining the Ray cluster at %s", address)
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)

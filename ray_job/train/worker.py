@@ -31,6 +31,7 @@ from .build import (Run, Worker, announce, build_run, epoch_metrics, gather, log
 from .checkpointer import UNSCORED, Checkpointer, RayLink, Resume, where
 from .control import GO_ON, Decision, StepControl, controlled_steps
 from .engine import EpochStats, evaluate, measure_comm_wait, memory_in_use, reset_peak_memory
+from .hold import Hold
 from .metrics import EpochMetrics
 from .progress import Progress
 from .runfiles import Event
@@ -142,6 +143,7 @@ class Loop:
                                    busy=checkpointer.busy, upload_over=checkpointer.upload_over)
         self.progress = (Progress(cfg.progress, cfg.epochs, run.steps_per_epoch, cfg.global_batch(run.worker.world),
                                   cfg.log_every) if run.worker.master_process else None)
+        self.hold = Hold.from_env(run.worker.master_process)  # RJ_HOLD_FILE (hold.py)
         self.finished: Optional[EpochMetrics] = None  # the metrics of the last epoch finished here
         self.comm_wait: Optional[float] = None
         self.storage_error: Optional[str] = None     # the final checkpoint's, if it was not saved
@@ -179,6 +181,7 @@ class Loop:
             if measure:
                 measure = first_step_memory(run)
             position = step.number
+            self.hold.after_step(done + 1, position)
             if decision.stop:
                 break
             if decision is not GO_ON:
