@@ -58,7 +58,7 @@ with open(os.open(SESSION_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "
 os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=SESSION_TOKEN)
 # MLflow clients of the tests (and of the runs they start) send no usage telemetry anywhere.
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
-# Two test processes, their runs and the SLURM test nodes (each claiming the machine's CPUs) run more
+# The test processes, their runs and the SLURM test nodes (each claiming the machine's CPUs) run more
 # OpenMP threads than there are cores; OpenMP's default of spinning while it waits then starves every
 # thread (2 processes of 2 threads on 2 cores: 8-10 img/s each under load, 76-88 with PASSIVE), so
 # every process we start, SLURM jobs included (they get the submitter's environment), waits
@@ -78,7 +78,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(mark)
         if not any(item.get_closest_marker(m) for m in HEAVY):
             item.add_marker("unit")
-        # Two test processes (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml) take whole
+        # The test processes (pytest-xdist, `-n 3 --dist loadgroup` in pyproject.toml) take whole
         # groups: a module's tests stay together (its module fixtures run once), every test on the
         # SLURM test cluster is in one group, and the modules that look at the trained run share one
         # (a session fixture is made once per test process).
@@ -95,7 +95,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """`--dist loadgroup`: every test's id carries its group, or xdist would spread the modules
-    over both processes (each starting its own servers and runs)."""
+    over the processes (each starting its own servers and runs)."""
     if node.config.getoption("dist") == "loadgroup" and (lost := [i for i in ids if "@" not in i]):
         pytest.exit(f"pytest-xdist did not group {lost[0]} (and {len(lost) - 1} more): these versions of "
                     f"pytest and pytest-xdist do not work together; install requirements-dev.txt", returncode=4)
