@@ -142,7 +142,7 @@ def test_lost_node_elastic_shrinks_grows_back_and_a_killed_driver_resumes(slurm_
     report("driver killed", fault_to_job_end=job.ended - driver_killed, world_sizes=sizes, orphans=0)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)  # as the elastic one: held runs, fixed waits, a requeue
 def test_lost_node_fixed_size_gets_its_workers_back_and_when_it_cannot_requeues(slurm_cluster, tmp_path):
     """Kills: every process of the job on node2, mid-epoch 2, then mid-epoch 3. Expects: the first
     time, the script starts node2's Ray again and the fixed-size run gets its two workers back within
