@@ -13,7 +13,8 @@ import time
 import pytest
 from processes import Hold, train_workers
 
-from conftest import RAY_STARTED, ROOT, TINY, WORKERS_STARTED, assert_refused_before_ray, run_cli, tiny_args
+from conftest import (RAY_STARTED, ROOT, TINY, WORKERS_STARTED, assert_refused_before_ray, events, run_cli,
+                      tiny_args)
 from ray_job.config import parse_train_args
 from ray_job.config.run import RECIPES
 from ray_job.storage import read_jsonl
@@ -113,9 +114,8 @@ def test_help_shows_every_setting_with_the_value_a_run_gets(recipe):
 def _checkpoint_registered(run_dir) -> bool:
     """Epoch 1's checkpoint is in Ray's run snapshot (reported and registered) and epoch 2 runs."""
     snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    started = [e for e in read_jsonl(str(run_dir / "events.jsonl")) if e["event"] == Event.EPOCH_START]
     return snapshot.exists() and '"epoch": 1' in snapshot.read_text().replace('"epoch":1', '"epoch": 1') \
-        and any(e["epoch"] == 2 for e in started)
+        and any(e["epoch"] == 2 for e in events(run_dir, Event.EPOCH_START))
 
 
 @pytest.mark.ray
@@ -136,8 +136,7 @@ def test_killed_worker_is_replaced_and_training_continues(tmp_path):
             assert time.time() < deadline, "timed out"
             time.sleep(0.2)
     try:
-        wait_for(lambda: hold.waits_at(2, 1) and [e for e in read_jsonl(str(run_dir / "events.jsonl"))
-                                                  if e["event"] == Event.CHECKPOINT_SAVED])
+        wait_for(lambda: hold.waits_at(2, 1) and events(run_dir, Event.CHECKPOINT_SAVED))
         # epoch 1's checkpoint, written, is reported to Ray at the next poll (step 5, answered at 7)
         hold.at(2, 8)
         wait_for(lambda: hold.waits_at(2, 8) and _checkpoint_registered(run_dir))
@@ -152,8 +151,7 @@ def test_killed_worker_is_replaced_and_training_continues(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     rows = read_jsonl(str(run_dir / "metrics.jsonl"))
     assert [r["epoch"] for r in rows] == [1, 2, 3]
-    events = read_jsonl(str(run_dir / "events.jsonl"))
-    starts = [e["epoch"] for e in events if e["event"] == Event.EPOCH_START]
+    starts = [e["epoch"] for e in events(run_dir, Event.EPOCH_START)]
     assert len(starts) <= 4 and starts[-1] == 3  # at most one epoch recomputed
-    assert any(e["event"] == Event.RESUMED for e in events)
+    assert events(run_dir, Event.RESUMED)
     assert json.load(open(run_dir / "summary.json"))["finished"]
