@@ -72,6 +72,7 @@ FIXTURE_MARKS = {"ray_cluster": "ray", "ray_joined": "ray", "trained_run": "ray"
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which turns the group marks into groups
 def pytest_collection_modifyitems(config, items):
+    groups = {}
     for item in items:
         for fixture, mark in FIXTURE_MARKS.items():
             if fixture in getattr(item, "fixturenames", ()):
@@ -83,13 +84,32 @@ def pytest_collection_modifyitems(config, items):
         # SLURM test cluster is in one group, and the modules that look at the trained run share one
         # (a session fixture is made once per test process).
         module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(SLURM_GROUP if item.get_closest_marker("slurm")
-                                                else SHARED_GROUPS.get(module, module)))
-    # The groups go out in this order: the SLURM one first (the longest, and it mostly waits), then
-    # the modules with real systems, then the unit-only ones, which are short and even out the end.
-    heavy = {item.module.__name__ for item in items if not item.get_closest_marker("unit")}
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slurm") else 1 if item.module.__name__ in heavy
-               else 2)  # stable: module order otherwise
+        groups[item] = SLURM_GROUP if item.get_closest_marker("slurm") else SHARED_GROUPS.get(module, module)
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    # The groups go out longest first (the SLURM one leads: it mostly waits), each to the first test
+    # process that is free: the short ones even out the end. How long a group takes is what the last
+    # `--store-group-seconds` run measured (GROUP_SECONDS); a group it did not see counts as a minute
+    # if it uses a real system, else as nothing.
+    seconds = json.loads(Path(GROUP_SECONDS).read_text()) if os.path.exists(GROUP_SECONDS) else {}
+    items.sort(key=lambda item: -seconds.get(groups[item], 0 if item.get_closest_marker("unit") else 60))
+
+
+GROUP_SECONDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_seconds.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-group-seconds", action="store_true",
+                     help=f"at the end, write each test group's seconds (setup, call and teardown of its "
+                          f"tests) to {os.path.relpath(GROUP_SECONDS, ROOT)}: the order the groups go out in")
+
+
+_group_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if "@" in report.nodeid:  # `--dist loadgroup`: ...::test_x@group
+        group = report.nodeid.rsplit("@", 1)[1]
+        _group_seconds[group] = _group_seconds.get(group, 0.0) + report.duration
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -107,6 +127,12 @@ SHARED_GROUPS = {"test_infer": "test_train"}  # trained_run
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(SESSION_DIR, ignore_errors=True)
+    config = session.config
+    if config.getoption("store_group_seconds") and not hasattr(config, "workerinput") and _group_seconds:
+        # the groups this run measured replace their figures; the others stay (e.g. after `-m unit`)
+        old = json.loads(Path(GROUP_SECONDS).read_text()) if os.path.exists(GROUP_SECONDS) else {}
+        merged = {**old, **{g: round(s) for g, s in _group_seconds.items()}}
+        Path(GROUP_SECONDS).write_text(json.dumps(dict(sorted(merged.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
 
 
 # --- reading what a run wrote and printed ---------------------------------------------------------
