@@ -1,5 +1,5 @@
 """A process group without Ray: `run_ranks(target, ...)` runs `target(rank, world, *args)` in
-`world` spawned processes joined in one gloo group (loopback) and returns what each returned, by
+`world` processes joined in one gloo group (loopback) and returns what each returned, by
 rank. The target must be a module-level function (it is pickled by name).
 
 The ranks are forked from a forkserver that has imported torch and ray_job once (the first call's
