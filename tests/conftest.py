@@ -65,8 +65,8 @@ os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 # passively. Real nodes do not oversubscribe, where spinning is faster: the product keeps the default.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Every Ray node the tests start (the session heads, the runs' own local clusters, the SLURM jobs'
-# nodes) polls for the dashboard's figures, which no test reads: each idle head cost 3.6 CPU-s a
-# minute, 2.6 with these (docs/benchmarks.md), on a machine whose two cores the suite keeps busy.
+# nodes) polls for the dashboard's figures, which no test reads: an idle head cost 3.6 CPU-s a
+# minute, 2.9 with these (docs/benchmarks.md), on a machine whose two cores the suite keeps busy.
 for _k, _v in {"RAY_enable_metrics_collection": "0", "METRICS_RECORD_INTERVAL_S": "60",
                "REPORTER_UPDATE_INTERVAL_MS": "30000", "NODE_STATS_UPDATE_INTERVAL_SECONDS": "60",
                "SCAN_EVENT_DIR_INTERVAL_SECONDS": "30", "EVENT_AGENT_REPORT_INTERVAL_SECONDS": "1"}.items():

@@ -29,7 +29,7 @@ from ray_job.train.worker import train_run
 pytestmark = pytest.mark.timeout(600)
 
 STEPS = 10  # per epoch: 2 ranks x 32 images x 10 steps
-# the suite's tiny ViT (conftest.TINY_MODEL): 0.1 MB checkpoints; the loop is the same for any model
+# the suite's tiny ViT (conftest.TINY_MODEL): checkpoints of a few hundred KB; the loop is the same for any model
 VIT = dict(model="VisionTransformer", stem="auto", model_arg=("patch_size=8", "num_layers=2", "num_heads=2",
                                                               "hidden_dim=32", "mlp_dim=64"))
 
