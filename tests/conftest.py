@@ -97,11 +97,15 @@ def pytest_collection_modifyitems(config, items):
     # process that is free: the short ones even out the end. How long a group takes is what the last
     # `--store-group-seconds` run measured (GROUP_SECONDS); a group it did not see counts as a minute
     # if it uses a real system, else as nothing.
-    seconds = json.loads(Path(GROUP_SECONDS).read_text()) if os.path.exists(GROUP_SECONDS) else {}
+    seconds = stored_group_seconds()
     items.sort(key=lambda item: -seconds.get(groups[item], 0 if item.get_closest_marker("unit") else 60))
 
 
 GROUP_SECONDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_seconds.json")
+
+
+def stored_group_seconds() -> dict[str, float]:
+    return json.loads(Path(GROUP_SECONDS).read_text()) if os.path.exists(GROUP_SECONDS) else {}
 
 
 def pytest_addoption(parser):
@@ -137,8 +141,7 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if config.getoption("store_group_seconds") and not hasattr(config, "workerinput") and _group_seconds:
         # the groups this run measured replace their figures; the others stay (e.g. after `-m unit`)
-        old = json.loads(Path(GROUP_SECONDS).read_text()) if os.path.exists(GROUP_SECONDS) else {}
-        merged = {**old, **{g: round(s) for g, s in _group_seconds.items()}}
+        merged = {**stored_group_seconds(), **{g: round(s) for g, s in _group_seconds.items()}}
         Path(GROUP_SECONDS).write_text(json.dumps(dict(sorted(merged.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
 
 
